@@ -1,0 +1,15 @@
+"""aotc: ahead-of-time compilation of PyTorch LLM inference graphs.
+
+The public API for models: `entry` marks a method as a compiled entry,
+`register_architecture` maps config.json to a model class, `CausalLM` is the
+base class of models; see the README, "Bring your own model".
+"""
+
+__version__ = "0.1.0"
+
+from .entry import entry  # noqa: E402
+from .errors import AotcError  # noqa: E402
+from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
+from .models.registry import register_architecture  # noqa: E402
+
+__all__ = ["AotcError", "CausalLM", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]

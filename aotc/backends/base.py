@@ -1,0 +1,79 @@
+"""The backend contract: name, version, availability, compile and load.
+
+A backend imports its vendor SDK only inside its methods, so the CLI and the
+other backends work on a machine without that SDK.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from ..errors import BackendError, did_you_mean
+from ..trace import TracedGraph
+
+# A loaded artifact: takes the flat graph inputs (weights, then the method's
+# arguments) and returns the flat outputs.
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass
+class CompileResult:
+    files: list[str]  # relative to the artifact folder
+    extra: dict = field(default_factory=dict)  # backend-specific manifest fields
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def version(self) -> str:
+        """Everything about the compiler that changes its output; goes into cache keys."""
+
+    def unavailable(self) -> str | None:
+        """None when usable here, else what is missing and how to get it."""
+        return None
+
+    def flags(self) -> dict:
+        """Normalized compiler flags; go into cache keys and the manifest."""
+        return {}
+
+    @abc.abstractmethod
+    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+        """Compile one traced graph into files under out_dir."""
+
+    @abc.abstractmethod
+    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+        """Load one compiled artifact; `entry` is its manifest record."""
+
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def backend_names() -> list[str]:
+    _import_builtin()
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str, **options) -> Backend:
+    _import_builtin()
+    if name not in _BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; {did_you_mean(name, _BACKENDS)}")
+    backend = _BACKENDS[name](**options)
+    why = backend.unavailable()
+    if why:
+        raise BackendError(f"backend {name!r} is not available here: {why}")
+    return backend
+
+
+def _import_builtin() -> None:
+    from . import export  # noqa: F401

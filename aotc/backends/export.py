@@ -1,0 +1,43 @@
+"""The reference backend: the post-pass ExportedProgram, run as an FX graph.
+
+It runs the same aten ops as eager, everywhere, and is what the other
+backends are checked against.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..trace import TracedGraph
+from .base import Backend, CompileResult, Runner, register_backend
+
+PROGRAM = "program.pt2"
+
+
+@register_backend
+class ExportBackend(Backend):
+    name = "export"
+
+    def version(self) -> str:
+        return f"torch-{torch.__version__}"
+
+    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+        program = graph.program
+        # Example inputs are fake tensors (the build never reads weights);
+        # they are not needed to run the program, so they are not saved.
+        program.example_inputs = None
+        torch.export.save(program, str(out_dir / PROGRAM))
+        return CompileResult([PROGRAM])
+
+    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+        program = torch.export.load(str(art_dir / PROGRAM))
+        # Every input is a user input, so the graph module takes the flat list
+        # as is; this skips ExportedProgram.module()'s pytree and state handling.
+        gm = program.graph_module
+
+        def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(gm(*args))
+
+        return run

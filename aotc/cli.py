@@ -1,0 +1,241 @@
+"""The `aotc` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import AotcError
+
+app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graphs.", no_args_is_help=True, add_completion=False)
+init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
+app.add_typer(init_app, name="init")
+console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_PROMPTS = ("Hello, world!",)
+
+
+def _fail(e: AotcError) -> None:
+    err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+    raise typer.Exit(2)
+
+
+@init_app.command("tiny")
+def init_tiny(
+    out: Path = typer.Argument(..., help="Folder to write (replaced if it exists)."),
+    arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral"),
+    layers: int = typer.Option(4, "--layers", min=1, help="Number of decoder layers."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+):
+    """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
+    from .models.tiny import write_tiny
+
+    try:
+        path = write_tiny(out, arch=arch, layers=layers, seed=seed)
+    except AotcError as e:
+        _fail(e)
+    console.print(f"wrote {arch} model with {layers} layers to {path}")
+
+
+@app.command()
+def build(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors)."),
+    buckets: str = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated."),
+    prefill_chunk: str = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Cache length in tokens [default: min(max_position_embeddings, 1024)]."),
+    backend: str = typer.Option("export", "--backend", help="Compiler backend: export."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder [default: artifacts/<model folder name>]."),
+):
+    """Trace and compile every entry of a model once per bucket into a bundle."""
+    from .build import BuildOptions, build as run_build, parse_buckets
+
+    try:
+        options = BuildOptions(
+            model_dir,
+            out=out,
+            batch_buckets=parse_buckets(buckets, "--buckets"),
+            chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
+            max_seq=max_seq,
+            backend=backend,
+        )
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err_console, transient=False) as progress:
+            tasks = {}
+
+            def report(event, **info):
+                if event == "entry":
+                    tasks[info["id"]] = progress.add_task(info["id"], total=info["total"])
+                else:
+                    progress.advance(tasks[info["id"]])
+
+            result = run_build(options, progress=report)
+    except AotcError as e:
+        _fail(e)
+    table = Table(title=f"{result.out}  ({options.backend})")
+    for col in ("entry", "bucket", "seconds", "size"):
+        table.add_column(col, justify="left" if col == "entry" else "right")
+    for a in result.artifacts:
+        table.add_row(a.entry_id, str(a.bucket), f"{a.seconds:.2f}", _size(a.size))
+    console.print(table)
+    layers = sum(len(v.instances) for v in result.variants)
+    console.print(
+        f"traced {result.graphs_traced} graphs for {len(result.variants)} entries serving {layers} module instances "
+        f"in {result.seconds:.1f} s -> {result.out}"
+    )
+
+
+@app.command()
+def run(
+    bundle: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights [default: the one the bundle was built from]."),
+    prompt: list[str] = typer.Option(list(DEFAULT_PROMPTS), "--prompt", help="Prompt text; repeat for a batch."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
+    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+):
+    """Greedy generation through a bundle."""
+    from .models.base import load_model
+    from .runtime import Bundle, generate
+
+    try:
+        t0 = time.perf_counter()
+        b = Bundle.load(bundle)
+        model_dir = model or Path(b.manifest["model"]["source"])
+        loaded = load_model(model_dir)
+        b.check_model(loaded)
+        tokenizer = _tokenizer(model_dir)
+        prompts = [tokenizer.encode(p).ids for p in prompt]
+        b.bind(loaded.model)
+        setup_s = time.perf_counter() - t0
+        kwargs = dict(max_batch=b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
+        gen = generate(loaded.model, prompts, max_new_tokens, **kwargs)
+        ref = None
+        if check:
+            Bundle.unbind(loaded.model)
+            ref = generate(loaded.model, prompts, max_new_tokens, **kwargs)
+    except AotcError as e:
+        _fail(e)
+    report = _report(prompt, gen, ref, tokenizer, b, setup_s)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    if check and not report["check"]["tokens_equal"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def inspect(
+    bundle: Path = typer.Argument(..., help="Bundle folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print manifest.json."),
+):
+    """Show a bundle's manifest."""
+    from .runtime import read_manifest
+
+    try:
+        m = read_manifest(bundle)
+    except AotcError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(m, indent=2))
+        return
+    s = m["shapes"]
+    console.print(
+        f"[bold]{bundle}[/]  format {m['format_version']}  {m['model']['class']} ({m['model']['architecture']})  "
+        f"backend {m['backend']['name']} {m['backend']['version']}\n"
+        f"batch buckets {s['batch']}  prefill chunks {s['chunk']}  max_seq {s['max_seq']}  "
+        f"cache slots {s['cache_slots']} (last is scratch)  graphs {m['graphs_traced']}"
+    )
+    table = Table()
+    for col in ("entry", "instances", "bucket", "inputs (w/c/a)", "outputs", "files", "compile s", "cache key"):
+        table.add_column(col)
+    for e in m["entries"]:
+        for art in e["artifacts"]:
+            kinds = [i["kind"] for i in art["inputs"]]
+            inputs = f"{len(e['weights'])}/{kinds.count('cache')}/{kinds.count('activation')}"
+            outs = ", ".join(f"{o['shape']}" for o in art["outputs"])
+            table.add_row(e["id"], str(len(e["instances"])), str(art["bucket"]), inputs, outs, ", ".join(art["files"]), f"{art['compile_s']:.2f}", art["cache_key"][:12])
+    console.print(table)
+
+
+def _tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise AotcError(f"{path}: missing; `aotc run` needs the model's tokenizer.json to encode --prompt text")
+    return Tokenizer.from_file(str(path))
+
+
+def _report(prompts, gen, ref, tokenizer, bundle, setup_s) -> dict:
+    out = {
+        "bundle": str(bundle.dir),
+        "backend": bundle.manifest["backend"]["name"],
+        "prompts": [
+            {"prompt": p, "prompt_ids": s.prompt_ids, "new_ids": s.new_ids, "text": tokenizer.decode(s.new_ids)}
+            for p, s in zip(prompts, gen.sequences)
+        ],
+        "timings": {
+            "bundle_load_s": round(bundle.load_s, 4),
+            "setup_s": round(setup_s, 4),
+            "ttft_s": round(gen.ttft_s, 4),
+            "prefill_s": round(gen.prefill_s, 4),
+            "prefill_tokens": gen.prefill_tokens,
+            "decode_s": round(gen.decode_s, 4),
+            "decode_steps": gen.decode_steps,
+            "decode_tokens_per_s": round(gen.decode_tokens_per_s, 1),
+        },
+    }
+    if ref is not None:
+        rows, diffs = [], []
+        for s, r in zip(gen.sequences, ref.sequences):
+            same = next((i for i, (a, b) in enumerate(zip(s.new_ids, r.new_ids)) if a != b), min(len(s.new_ids), len(r.new_ids)))
+            equal = s.new_ids == r.new_ids
+            diff = max(((a - b).abs().max().item() for a, b in zip(s.logits[: same + 1], r.logits[: same + 1])), default=0.0)
+            diffs.append(diff)
+            rows.append({"equal": equal, "matching_tokens": same, "tokens": len(r.new_ids), "max_logit_diff": diff, "eager_new_ids": r.new_ids})
+        out["check"] = {"tokens_equal": all(r["equal"] for r in rows), "max_logit_diff": max(diffs), "per_prompt": rows}
+    return out
+
+
+def _print_report(report: dict) -> None:
+    for i, p in enumerate(report["prompts"]):
+        console.print(f"[bold]prompt {i}[/] ({len(p['prompt_ids'])} tokens): {p['prompt']!r}", highlight=False)
+        console.print(f"  -> {p['text']!r}", highlight=False)
+    t = report["timings"]
+    console.print(
+        f"{report['backend']}: bundle load {t['bundle_load_s'] * 1e3:.0f} ms, time to first token {t['ttft_s'] * 1e3:.0f} ms "
+        f"({t['prefill_tokens']} prompt tokens), decode {t['decode_tokens_per_s']:.1f} tokens/s"
+    )
+    if "check" in report:
+        c = report["check"]
+        for i, r in enumerate(c["per_prompt"]):
+            mark = "[green]equal[/]" if r["equal"] else f"[red]differs after {r['matching_tokens']} tokens[/]"
+            console.print(f"  check prompt {i}: {r['tokens']} tokens {mark}, max logit diff {r['max_logit_diff']:.2e}")
+        verdict = "[green]every token matches eager[/]" if c["tokens_equal"] else "[red]tokens differ from eager[/]"
+        console.print(f"check: {verdict}; max logit diff {c['max_logit_diff']:.2e}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Marking the methods of a model's own classes as compiled entries.
+
+    class DecoderLayer(nn.Module):
+        @aotc.entry(bucket="batch", caches=("k_cache", "v_cache"), pad={"slots": -1})
+        def decode(self, x, cos, sin, positions, slots, k_cache, v_cache): ...
+
+An entry method takes tensors and returns a tensor or a tuple of tensors.
+Every argument that is not named in `caches` is an activation whose dim 0 is
+the bucketed dimension: the runtime pads it up to the bucket (with `pad[name]`,
+default 0) and slices the outputs back. Caches are passed through untouched
+and written in place by the graph. The instance's parameters and buffers
+become graph inputs, so one graph serves every instance of the class.
+
+The class also provides `example_inputs(method, bucket, shapes)` returning the
+arguments (in signature order) that the tracer exports with.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import TraceError
+
+BUCKET_KINDS = ("batch", "chunk")
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    method: str
+    bucket: str  # "batch": rows are sequences; "chunk": rows are tokens of one sequence
+    caches: tuple[str, ...] = ()
+    pad: dict = field(default_factory=dict)
+    # Rows beyond the largest bucket may run as consecutive calls, in order.
+    # True for prefill (a long prompt runs chunk by chunk), False for decode.
+    split: bool = False
+    params: tuple[str, ...] = ()  # argument names, in order
+
+    def __hash__(self):
+        return hash((self.method, self.bucket, self.caches))
+
+
+def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None, split: bool = False) -> Callable:
+    """Mark a method as a compiled entry; see the module docstring."""
+    if bucket not in BUCKET_KINDS:
+        raise TraceError(f"@entry(bucket={bucket!r}): expected one of {', '.join(BUCKET_KINDS)}")
+
+    def mark(fn):
+        params = tuple(inspect.signature(fn).parameters)[1:]
+        for name in (*caches, *(pad or {})):
+            if name not in params:
+                raise TraceError(
+                    f"@entry on {fn.__qualname__}: {name!r} is not an argument; "
+                    f"its arguments are {', '.join(params)}"
+                )
+        kinds = {p.kind for p in list(inspect.signature(fn).parameters.values())[1:]}
+        if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
+            raise TraceError(f"@entry on {fn.__qualname__}: use plain positional arguments only (no *args, **kwargs)")
+        fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params)
+        return fn
+
+    return mark
+
+
+def entries_of(cls: type) -> dict[str, EntrySpec]:
+    """The entry methods of a class, its bases included."""
+    found = {}
+    for klass in reversed(cls.__mro__):
+        for name, fn in vars(klass).items():
+            spec = getattr(fn, "__aotc_entry__", None)
+            if spec is not None:
+                found[name] = spec
+    return found

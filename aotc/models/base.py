@@ -1,0 +1,154 @@
+"""What every aotc model provides, and loading one from a model folder.
+
+A model is an ordinary `nn.Module` tree. Its submodules' entry methods
+(`aotc.entry`) are what gets compiled; the `CausalLM` methods below are the
+eager orchestration around them (embedding lookup, the layer loop), which runs
+unchanged whether the entries are eager or bound to a bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import ConfigError, WeightsError
+from .checkpoint import Checkpoint
+from .config import ConfigReader, read_config
+from .registry import Architecture, resolve
+
+# Padding rows of a bucket write their cache entries into the last slot of the
+# cache pool, which no sequence owns (-1 indexes it directly).
+SCRATCH_SLOT = -1
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_dtype(cfg: ConfigReader) -> torch.dtype:
+    # transformers 5 writes "dtype", older versions "torch_dtype".
+    name = cfg.config.get("dtype") or cfg.config.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ConfigError(f"{cfg.source}: field 'dtype' is {name!r}; expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class CausalLM(nn.Module):
+    """Base class of aotc models. Subclasses set `config_class` and implement the
+    methods that raise NotImplementedError."""
+
+    config_class: type
+
+    # -- checkpoint layout ---------------------------------------------------
+    def checkpoint_name(self, param: str) -> str:
+        """The checkpoint tensor name of a parameter path (default: the same)."""
+        return param
+
+    def tied_parameters(self) -> dict[str, str]:
+        """Parameters that share another's tensor: {param: source param}."""
+        return {}
+
+    # -- caches --------------------------------------------------------------
+    def cache_specs(self, slots: int, max_seq: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Root cache allocations, layer-major: {kind: (shape, dtype)}."""
+        raise NotImplementedError
+
+    def allocate_caches(self, slots: int, max_seq: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        # Separate allocations per kind, so no two graph inputs share a storage.
+        return {kind: torch.zeros(shape, dtype=dtype, device=device) for kind, (shape, dtype) in self.cache_specs(slots, max_seq).items()}
+
+    # -- generation ----------------------------------------------------------
+    def prefill(self, ids: torch.Tensor, slot: int, caches: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
+        """ids: [n] tokens at positions start..start+n-1 of the sequence in `slot`
+        -> logits of the last token, [vocab] float32."""
+        raise NotImplementedError
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """ids, positions: [B], row i is the sequence in slot i -> logits [B, vocab] float32."""
+        raise NotImplementedError
+
+    def prompt_logits(self, ids: torch.Tensor, max_seq: int | None = None) -> torch.Tensor:
+        """ids: [n] -> logits at every position, [n, vocab] float32, eager (for checks)."""
+        raise NotImplementedError
+
+    # -- aotc init tiny --------------------------------------------------------
+    @classmethod
+    def tiny_config(cls, *, layers: int, vocab_size: int, variant: str) -> dict:
+        """A small config.json dict with Hugging Face field names."""
+        raise NotImplementedError
+
+    def init_random(self, generator: torch.Generator) -> None:
+        """Random weights whose greedy argmax is well separated (no near-ties)."""
+        raise NotImplementedError
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    arch: Architecture
+    config: object
+    config_dict: dict
+    dir: Path
+    fake_mode: FakeTensorMode | None  # set when the weights are fake (build)
+
+
+def parse_config(model_dir: Path) -> tuple[dict, Architecture, object]:
+    config_dict = read_config(model_dir)
+    source = Path(model_dir) / "config.json"
+    arch = resolve(config_dict, source)
+    config = arch.model_class.config_class.from_hf(ConfigReader(config_dict, source))
+    return config_dict, arch, config
+
+
+def load_model(model_dir: Path | str, *, weights: bool = True) -> LoadedModel:
+    """Build the eager model of a model folder.
+
+    weights=False traces-only: parameters are fake tensors and the checkpoint
+    is checked against them from its headers, without reading any value.
+    """
+    model_dir = Path(model_dir)
+    config_dict, arch, config = parse_config(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    if not weights:
+        fake_mode = FakeTensorMode()
+        with fake_mode:
+            model = arch.model_class(config)
+        _check_checkpoint(model, checkpoint)
+        return LoadedModel(model.eval(), arch, config, config_dict, model_dir, fake_mode)
+    with torch.device("meta"):
+        model = arch.model_class(config)
+    _load_weights(model, checkpoint)
+    return LoadedModel(model.eval(), arch, config, config_dict, model_dir, None)
+
+
+def _expected(model: CausalLM) -> dict[str, nn.Parameter]:
+    tied = model.tied_parameters()
+    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in tied}
+
+
+def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> None:
+    for name, p in _expected(model).items():
+        checkpoint.check(model.checkpoint_name(name), tuple(p.shape))
+
+
+def _load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
+    expected = _expected(model)
+    names = {param: model.checkpoint_name(param) for param in expected}
+    for param, p in expected.items():
+        checkpoint.check(names[param], tuple(p.shape))
+    tensors = checkpoint.load(list(names.values()))
+    state = {}
+    for param, p in expected.items():
+        t = tensors[names[param]]
+        if t.dtype.is_floating_point != p.dtype.is_floating_point:
+            raise WeightsError(f"{checkpoint.dir}: tensor {names[param]!r} has dtype {t.dtype}, expected a {p.dtype}-compatible dtype")
+        state[param] = t.to(p.dtype)
+    for param, source in model.tied_parameters().items():
+        state[param] = state[source]
+    model.load_state_dict(state, strict=True, assign=True)
+    # assign=True replaces Parameter objects; re-tie so tied weights stay one tensor.
+    for param, source in model.tied_parameters().items():
+        owner, _, leaf = param.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(source))

@@ -1,0 +1,93 @@
+"""Reading Hugging Face safetensors checkpoints, single-file or sharded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import WeightsError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+# safetensors dtype codes -> torch dtypes
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: Path
+
+
+class Checkpoint:
+    """The tensors of a model folder, known from the safetensors headers alone.
+
+    Reading the headers costs a few kilobytes per file, so builds can check
+    every shape and dtype without reading a single weight value.
+    """
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self._files():
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), _DTYPES[sl.get_dtype()], file)
+
+    def _files(self) -> list[Path]:
+        index = self.dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise WeightsError(f"{index}: expected a JSON object with a 'weight_map' ({e})") from None
+            files = sorted({self.dir / f for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise WeightsError(f"{index} names shard {f.name}, which is missing from {self.dir}")
+            return files
+        single = self.dir / SINGLE
+        if single.is_file():
+            return [single]
+        found = sorted(self.dir.glob("*.safetensors"))
+        if found:
+            return found
+        raise WeightsError(f"{self.dir}: no {SINGLE}, {INDEX} or *.safetensors; the weights must be in safetensors format")
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise WeightsError(f"{self.dir}: checkpoint has no tensor {name!r} ({len(self.tensors)} tensors present)") from None
+
+    def check(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        info = self.info(name)
+        if tuple(info.shape) != tuple(shape):
+            raise WeightsError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} "
+                "from config.json; the config and the weights do not belong together"
+            )
+        return info
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.info(name).file, []).append(name)
+        out = {}
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name in file_names:
+                    out[name] = f.get_tensor(name)
+        return out

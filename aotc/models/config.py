@@ -1,0 +1,57 @@
+"""Typed reading of config.json fields, with errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+_MISSING = object()
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"{model_dir}: not a folder; expected a model folder with config.json and *.safetensors")
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing; a model folder needs a Hugging Face config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); fix or re-export the file") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+class ConfigReader:
+    """Reads fields of one config dict; every error names the file and field."""
+
+    def __init__(self, config: dict, source: Path | str):
+        self.config = config
+        self.source = source
+
+    def get(self, key: str, typ: type, default: Any = _MISSING) -> Any:
+        if key not in self.config or self.config[key] is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.source}: missing field {key!r} ({_TYPE_NAMES.get(typ, typ.__name__)}); add it to config.json")
+            return default
+        value = self.config[key]
+        ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigError(
+                f"{self.source}: field {key!r} must be {_TYPE_NAMES.get(typ, typ.__name__)}, "
+                f"got {value!r} ({type(value).__name__})"
+            )
+        return value
+
+    def positive(self, key: str, default: Any = _MISSING) -> int:
+        value = self.get(key, int, default)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{self.source}: field {key!r} must be a positive integer, got {value}")
+        return value

@@ -1,0 +1,426 @@
+"""The Llama family: llama, qwen2 (qkv bias) and mistral (sliding window).
+
+GQA/MQA attention with RoPE (default, linear and llama3 scaling), RMSNorm,
+SwiGLU MLP, tied or untied embeddings. Parameter paths equal the Hugging Face
+tensor names, except the final norm and LM head, which live in `LMHead` so
+that they compile as one entry.
+
+Caches are two root allocations (k and v), each [layers, slots, kv_heads,
+max_seq, head_dim]: a layer's slice is contiguous and is the graph input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..entry import entry
+from ..errors import ConfigError
+from .base import SCRATCH_SLOT, CausalLM, read_dtype
+from .config import ConfigReader
+from .registry import register_architecture
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window length, or None
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: ConfigReader) -> "LlamaConfig":
+        model_type = cfg.get("model_type", str, "llama")
+        hidden = cfg.positive("hidden_size")
+        heads = cfg.positive("num_attention_heads")
+        kv_heads = cfg.positive("num_key_value_heads", heads)
+        layers = cfg.positive("num_hidden_layers")
+        if heads % kv_heads:
+            raise ConfigError(f"{cfg.source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        head_dim = cfg.positive("head_dim", None) or hidden // heads
+        act = cfg.get("hidden_act", str, "silu")
+        if act != "silu":
+            raise ConfigError(f"{cfg.source}: field 'hidden_act' is {act!r}; the Llama family here supports 'silu' (SwiGLU)")
+        if cfg.get("partial_rotary_factor", float, 1.0) != 1.0:
+            raise ConfigError(f"{cfg.source}: field 'partial_rotary_factor' must be 1.0 for the Llama family")
+        theta, scaling = _read_rope(cfg)
+        is_qwen2 = model_type == "qwen2"
+        attention_bias = cfg.get("attention_bias", bool, False)
+        eos = cfg.config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.positive("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=cfg.positive("intermediate_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", float, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.positive("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", bool, False),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=cfg.get("mlp_bias", bool, False),
+            layer_windows=_read_windows(cfg, model_type, layers),
+            dtype=read_dtype(cfg),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _read_rope(cfg: ConfigReader) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs
+    # write `rope_theta` and `rope_scaling`. Real checkpoints use both.
+    params = cfg.get("rope_parameters", dict, None)
+    if params is None:
+        theta = cfg.get("rope_theta", float, 10000.0)
+        params = cfg.get("rope_scaling", dict, None) or {}
+    else:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", float, 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{cfg.source}: rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for key in required[rope_type]:
+        if not isinstance(params.get(key), (int, float)):
+            raise ConfigError(f"{cfg.source}: rope scaling {rope_type!r} needs a number in field {key!r}, got {params.get(key)!r}")
+    return theta, {"rope_type": rope_type, **{k: params[k] for k in required[rope_type]}}
+
+
+def _read_windows(cfg: ConfigReader, model_type: str, layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window", int, None)
+    if model_type == "mistral":
+        return (window,) * layers
+    if model_type != "qwen2":
+        return (None,) * layers
+    layer_types = cfg.get("layer_types", list, None)
+    if layer_types is None:  # configs older than `layer_types`
+        use = cfg.get("use_sliding_window", bool, False)
+        first = cfg.get("max_window_layers", int, layers)
+        layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers:
+        raise ConfigError(f"{cfg.source}: field 'layer_types' has {len(layer_types)} entries, expected num_hidden_layers={layers}")
+    for t in layer_types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise ConfigError(f"{cfg.source}: field 'layer_types' holds {t!r}; expected 'full_attention' or 'sliding_attention'")
+    if "sliding_attention" in layer_types and not window:
+        raise ConfigError(f"{cfg.source}: 'layer_types' has sliding layers but 'sliding_window' is not set")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float32, with the config's scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, blend between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [N, heads, hd]; cos, sin: [N, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def visible(q_pos: torch.Tensor, max_seq: int, window: int | None) -> torch.Tensor:
+    """[N, max_seq] bool: which cache positions each query position attends to."""
+    k_pos = torch.arange(max_seq, device=q_pos.device)[None, :]
+    q_pos = q_pos[:, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return mask
+
+
+def softmax_attend(q, keys, values, mask, scale):
+    # q: [..., Q, hd]; keys, values: [..., S, hd]; mask broadcasts to [..., Q, S]
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(values.dtype) @ values
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, window: int | None):
+        super().__init__()
+        hd, heads, kv, dt = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.dtype
+        self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=config.qkv_bias, dtype=dt)
+        self.k_proj = nn.Linear(config.hidden_size, kv * hd, bias=config.qkv_bias, dtype=dt)
+        self.v_proj = nn.Linear(config.hidden_size, kv * hd, bias=config.qkv_bias, dtype=dt)
+        self.o_proj = nn.Linear(heads * hd, config.hidden_size, bias=config.o_bias, dtype=dt)
+        self.heads, self.kv_heads, self.head_dim = heads, kv, hd
+        self.window = window  # a Python int: layers that differ compile as separate variants
+        self.scale = hd**-0.5
+
+    def project(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        # x: [N, H] -> q: [N, heads, hd]; k, v written to cache rows (slots, positions)
+        n = x.shape[0]
+        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        # One direct indexed write per cache: k_cache[slots[i], :, positions[i]] = k[i]
+        k_cache[slots, :, positions] = k
+        v_cache[slots, :, positions] = v
+        return q
+
+    def decode(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        # x: [B, H]; row i is the sequence in cache slot i (padding rows write to the scratch slot)
+        b, rep = x.shape[0], self.heads // self.kv_heads
+        q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
+        q = q.view(b, self.kv_heads, rep, self.head_dim)  # [B, kv, rep, hd]
+        mask = visible(positions, k_cache.shape[2], self.window)[:, None, None, :]  # [B, 1, 1, S]
+        out = softmax_attend(q, k_cache[:b], v_cache[:b], mask, self.scale)  # [B, kv, rep, hd]
+        return self.o_proj(out.reshape(b, self.heads * self.head_dim))
+
+    def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        # x: [C, H], C tokens of the sequence in slots[0]; its cache holds the earlier chunks
+        c, rep = x.shape[0], self.heads // self.kv_heads
+        q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
+        q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
+        keys = k_cache[slots[:1]].transpose(0, 1)  # [kv, 1, S, hd]
+        values = v_cache[slots[:1]].transpose(0, 1)
+        mask = visible(positions, k_cache.shape[2], self.window)  # [C, S]
+        out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep, C, hd]
+        return self.o_proj(out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i, bias, dt = config.hidden_size, config.intermediate_size, config.mlp_bias, config.dtype
+        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dt)
+        self.up_proj = nn.Linear(h, i, bias=bias, dtype=dt)
+        self.down_proj = nn.Linear(i, h, bias=bias, dtype=dt)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, window: int | None):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    @entry(bucket="batch", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
+    def decode(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True)
+    def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:
+        a = self.self_attn
+        dtype = self.input_layernorm.weight.dtype
+        h = a.q_proj.in_features
+        cache = torch.zeros(shapes.slots, a.kv_heads, shapes.max_seq, a.head_dim, dtype=dtype)
+        positions = torch.zeros(rows, dtype=torch.long)
+        return (
+            torch.zeros(rows, h, dtype=dtype),
+            torch.zeros(rows, a.head_dim, dtype=dtype),
+            torch.zeros(rows, a.head_dim, dtype=dtype),
+            positions,
+            positions.clone(),
+            cache,
+            cache.clone(),
+        )
+
+
+class LMHead(nn.Module):
+    """Final norm + LM head, compiled as one entry."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype)
+
+    @entry(bucket="batch")
+    def forward(self, x):
+        # x: [B, H] -> logits [B, vocab] float32
+        return self.lm_head(self.norm(x)).float()
+
+    def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(rows, self.lm_head.in_features, dtype=self.norm.weight.dtype),)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, w) for w in config.layer_windows)
+
+
+@register_architecture(model_types=("llama",), architectures=("LlamaForCausalLM",))
+class LlamaForCausalLM(CausalLM):
+    config_class = LlamaConfig
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.head = LMHead(config)
+        if config.tie_word_embeddings:
+            self.head.lm_head.weight = self.model.embed_tokens.weight
+        # Host-side RoPE, computed per step and shared by every layer; made on
+        # first use, outside any meta or fake tensor context the model was built in.
+        self.inv_freq = None
+
+    _NAMES = {"head.norm.weight": "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
+
+    def checkpoint_name(self, param: str) -> str:
+        return self._NAMES.get(param, param)
+
+    def tied_parameters(self) -> dict[str, str]:
+        return {"head.lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def cache_specs(self, slots, max_seq):
+        c = self.config
+        shape = (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq, c.head_dim)
+        return {"k": (shape, c.dtype), "v": (shape, c.dtype)}
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [N] -> cos, sin: [N, hd], as transformers computes them (float32, then cast)
+        if self.inv_freq is None:
+            self.inv_freq = rope_inv_freq(self.config)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.config.dtype), emb.sin().to(self.config.dtype)
+
+    def run_layers(self, method: str, x, positions, slots, caches):
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = getattr(layer, method)(x, cos, sin, positions, slots, caches["k"][i], caches["v"][i])
+        return x
+
+    @torch.no_grad()
+    def prefill(self, ids, slot, caches, start=0):
+        n = ids.shape[0]
+        positions = torch.arange(start, start + n)
+        slots = torch.full((n,), slot, dtype=torch.long)
+        x = self.run_layers("prefill", self.model.embed_tokens(ids), positions, slots, caches)
+        return self.head(x[-1:])[0]
+
+    @torch.no_grad()
+    def prompt_logits(self, ids: torch.Tensor, max_seq: int | None = None) -> torch.Tensor:
+        """ids: [n] -> logits at every position [n, vocab], in one eager pass (the reference)."""
+        n = ids.shape[0]
+        caches = self.allocate_caches(1, max_seq or n)
+        positions = torch.arange(n)
+        x = self.run_layers("prefill", self.model.embed_tokens(ids), positions, torch.zeros(n, dtype=torch.long), caches)
+        return self.head(x)
+
+    @torch.no_grad()
+    def decode(self, ids, positions, caches):
+        slots = torch.arange(ids.shape[0])
+        x = self.run_layers("decode", self.model.embed_tokens(ids), positions, slots, caches)
+        return self.head(x)
+
+    @classmethod
+    def tiny_config(cls, *, layers, vocab_size, variant):
+        config = {
+            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[variant]],
+            "model_type": variant,
+            "vocab_size": vocab_size,
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "dtype": "float32",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+        if variant == "llama":
+            config["attention_bias"] = False
+        if variant == "qwen2":
+            config.update(num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None)
+        if variant == "mistral":
+            config.update(sliding_window=48)
+        return config
+
+    def init_random(self, generator):
+        h = self.config.hidden_size
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data = 1 + 0.1 * torch.randn(p.shape, generator=generator)
+            elif name.endswith("bias"):
+                p.data = 0.1 * torch.randn(p.shape, generator=generator)
+            else:
+                # Unit-scale activations, and an LM head wide enough that the
+                # top two logits are far apart compared to float rounding.
+                std = 4 / math.sqrt(h) if name == "head.lm_head.weight" else 1 / math.sqrt(p.shape[-1])
+                p.data = std * torch.randn(p.shape, generator=generator)
+            p.data = p.data.to(self.config.dtype)
+
+
+@register_architecture(model_types=("qwen2",), architectures=("Qwen2ForCausalLM",))
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+@register_architecture(model_types=("mistral",), architectures=("MistralForCausalLM",))
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+

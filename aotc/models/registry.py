@@ -1,0 +1,74 @@
+"""The architecture registry: config.json -> the aotc model class that runs it.
+
+A model package registers its class with `register_architecture`, the same
+way aotc's own models do:
+
+    @aotc.register_architecture(model_types=("llama",), architectures=("LlamaForCausalLM",))
+    class LlamaForCausalLM(aotc.CausalLM): ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    model_class: type
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+
+
+_BY_NAME: dict[str, Architecture] = {}
+
+
+def register_architecture(*, model_types: tuple[str, ...], architectures: tuple[str, ...] = (), name: str | None = None):
+    """Class decorator registering a `CausalLM` subclass for these config.json values."""
+
+    def register(cls):
+        arch = Architecture(name or model_types[0], cls, tuple(model_types), tuple(architectures))
+        _BY_NAME[arch.name] = arch
+        return cls
+
+    return register
+
+
+def architectures() -> dict[str, Architecture]:
+    _import_builtin_models()
+    return dict(_BY_NAME)
+
+
+def get_architecture(name: str) -> Architecture:
+    archs = architectures()
+    for arch in archs.values():
+        if name == arch.name or name in arch.model_types:
+            return arch
+    raise ConfigError(f"unknown architecture {name!r}; {did_you_mean(name, archs)}")
+
+
+def resolve(config: dict, source: Path | str) -> Architecture:
+    """Pick the architecture for a config.json dict, by `model_type` then `architectures`."""
+    archs = architectures().values()
+    model_type = config.get("model_type")
+    for arch in archs:
+        if model_type in arch.model_types:
+            return arch
+    for name in config.get("architectures") or ():
+        for arch in archs:
+            if name in arch.architectures:
+                return arch
+    known = sorted({t for a in archs for t in a.model_types})
+    raise ConfigError(
+        f"{source}: unsupported architecture (model_type={model_type!r}, "
+        f"architectures={config.get('architectures')!r}); aotc knows model_type {', '.join(known)}. "
+        "Register your own with aotc.register_architecture and pass --plugin (see README)."
+    )
+
+
+def _import_builtin_models() -> None:
+    # Imported lazily so that `aotc.models.registry` has no import cycle with the models.
+    from . import llama  # noqa: F401

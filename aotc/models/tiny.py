@@ -1,0 +1,85 @@
+"""`aotc init tiny`: small random models in the exact Hugging Face layout.
+
+The folder holds config.json (HF field names), model.safetensors (HF tensor
+names) and tokenizer.json, so it goes through the same loader as a real
+checkpoint. The defaults make the embedded default model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .base import parse_config
+from .registry import get_architecture
+
+DEFAULT_ARCH = "llama"
+DEFAULT_LAYERS = 4
+DEFAULT_SEED = 0
+TOKENIZER_VOCAB = 512
+SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: bos 1, eos 2 as in the tiny configs
+
+# The tokenizer is trained on this text, so that it is fixed and needs no download.
+_CORPUS = """
+Ahead-of-time compilation traces each layer once per bucket with static shapes,
+so one compiled graph serves every identical layer of the model. The weights and
+the caches are inputs of the graph; the cache is written in place, directly.
+A thin runtime loads the bundle, picks the smallest bucket that fits, pads the
+batch, and runs. Engineers who deploy language models on accelerators lose hours
+to recompiles, graph breaks, aliasing errors and cold starts. The quick brown fox
+jumps over the lazy dog; pack my box with five dozen liquor jugs. Once upon a time
+there was a small model that learned to count: one, two, three, four, five, six,
+seven, eight, nine, ten. Hello, world! What is the capital of France? Paris.
+"""
+
+
+def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on the embedded corpus (deterministic)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED) -> Path:
+    """Write a random model folder; replaces `out` atomically."""
+    out = Path(out)
+    architecture = get_architecture(arch)
+    tokenizer = make_tokenizer()
+    config = architecture.model_class.tiny_config(layers=layers, vocab_size=tokenizer.get_vocab_size(), variant=arch)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _, arch_, parsed = parse_config(tmp)
+        model = arch_.model_class(parsed)
+        model.init_random(torch.Generator().manual_seed(seed))
+        tied = model.tied_parameters()
+        tensors = {
+            model.checkpoint_name(name): p.detach().contiguous()
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if name not in tied
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,127 @@
+"""Loading a bundle and binding it to a model's instances."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..backends import Runner, get_backend
+from ..errors import BundleError
+from ..format import FORMAT_VERSION, MANIFEST, sha256_file
+from ..models.base import LoadedModel
+from ..models.config import ConfigReader
+from .dispatch import Dispatcher
+
+
+@dataclass
+class Bundle:
+    dir: Path
+    manifest: dict
+    runners: dict[tuple[str, int], Runner]  # (entry id, bucket) -> loaded artifact
+    load_s: float
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Bundle":
+        """Read the manifest, check every file's sha256, load every artifact."""
+        t0 = time.perf_counter()
+        path = Path(path)
+        manifest = read_manifest(path)
+        backend = get_backend(manifest["backend"]["name"])
+        runners = {}
+        for entry in manifest["entries"]:
+            for art in entry["artifacts"]:
+                art_dir = path / art["dir"]
+                for name, digest in art["files"].items():
+                    file = art_dir / name
+                    if not file.is_file():
+                        raise BundleError(f"{file}: missing from the bundle; rebuild it with aotc build")
+                    if sha256_file(file) != digest:
+                        raise BundleError(f"{file}: sha256 differs from manifest.json; the file was changed or truncated, rebuild the bundle")
+                runners[(entry["id"], art["bucket"])] = backend.load(art_dir, list(art["files"]), art)
+        return cls(path, manifest, runners, time.perf_counter() - t0)
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.manifest["shapes"]["batch"])
+
+    @property
+    def max_seq(self) -> int:
+        return self.manifest["shapes"]["max_seq"]
+
+    @property
+    def cache_slots(self) -> int:
+        return self.manifest["shapes"]["cache_slots"]
+
+    def check_model(self, loaded: LoadedModel) -> None:
+        """The model folder must have the config and weight shapes the bundle was built for."""
+        built = self.manifest["model"]
+        if loaded.arch.name != built["architecture"]:
+            raise BundleError(f"{self.dir} was built for a {built['architecture']} model; {loaded.dir} is {loaded.arch.name}")
+        config_class = type(loaded.config)
+        ours = dataclasses.asdict(loaded.config)
+        theirs = dataclasses.asdict(config_class.from_hf(ConfigReader(built["config"], f"{self.dir}/{MANIFEST}")))
+        for key in ours:
+            if key in getattr(config_class, "RUNTIME_ONLY", ()):
+                continue
+            if ours[key] != theirs[key]:
+                raise BundleError(
+                    f"{loaded.dir}/config.json: {key} is {ours[key]!r}, but bundle {self.dir} was built with "
+                    f"{theirs[key]!r}; rebuild the bundle for this model (aotc build {loaded.dir})"
+                )
+
+    def bind(self, model: nn.Module) -> None:
+        """Replace each entry method of each instance with its compiled dispatcher."""
+        for entry in self.manifest["entries"]:
+            runners = {art["bucket"]: self.runners[(entry["id"], art["bucket"])] for art in entry["artifacts"]}
+            for path in entry["instances"]:
+                try:
+                    instance = model.get_submodule(path)
+                except AttributeError:
+                    raise BundleError(f"{self.dir}: entry {entry['id']} is for module {path!r}, which the model does not have") from None
+                weights = [_weight(instance, path, w, self.dir) for w in entry["weights"]]
+                setattr(instance, entry["method"], Dispatcher(entry, runners, weights))
+
+    @staticmethod
+    def unbind(model: nn.Module) -> None:
+        """Restore the eager entry methods."""
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, Dispatcher):
+                    delattr(module, name)
+
+
+def read_manifest(path: Path) -> dict:
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise BundleError(f"{path}: no {MANIFEST}; expected a bundle folder written by aotc build")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{file}: not valid JSON ({e}); rebuild the bundle") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{file}: bundle format {version}, this aotc reads format {FORMAT_VERSION}; rebuild the bundle")
+    return manifest
+
+
+def _weight(instance: nn.Module, path: str, spec: dict, bundle: Path) -> torch.Tensor:
+    name = spec["path"]
+    try:
+        t = instance.get_parameter(name)
+    except AttributeError:
+        try:
+            t = instance.get_buffer(name)
+        except AttributeError:
+            raise BundleError(f"{bundle}: {path}.{name} is a graph input but the model has no such parameter") from None
+    if list(t.shape) != spec["shape"] or str(t.dtype).removeprefix("torch.") != spec["dtype"]:
+        raise BundleError(
+            f"weight {path}.{name} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
+            f"{spec['shape']} {spec['dtype']}; rebuild the bundle for these weights' shapes"
+        )
+    return t.detach()

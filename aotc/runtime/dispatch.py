@@ -1,0 +1,86 @@
+"""The per-instance dispatcher that stands in for an entry method.
+
+It picks the smallest bucket that fits the rows, pads the activations (dim 0)
+up to it with each input's pad value (padding rows' cache writes go to the
+scratch slot), calls the compiled artifact with this instance's weights, and
+slices the outputs back. Rows beyond the largest bucket run as consecutive
+calls when the entry allows it (prefill chunks), else they are an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import BundleError
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class Dispatcher:
+    def __init__(self, entry: dict, runners: dict, weights: list[torch.Tensor]):
+        self.entry_id = entry["id"]
+        self.split = entry["split"]
+        self.runners = runners
+        self.weights = weights
+        self.buckets = sorted(runners)
+        args = entry["artifacts"][0]["inputs"]
+        self.names = [a["name"] for a in args]
+        self.is_cache = [a["kind"] == "cache" for a in args]
+        self.pads = [a["pad"] for a in args]
+        self.dtypes = [_dtype(a["dtype"]) for a in args]
+        self.cache_layout = [(tuple(a["shape"]), tuple(a["stride"])) if a["kind"] == "cache" else None for a in args]
+        self.single = len(entry["artifacts"][0]["outputs"]) == 1
+        self.first_act = self.is_cache.index(False)
+        # bucket_for[n]: the smallest bucket holding n rows
+        self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
+
+    def __call__(self, *args):
+        if len(args) != len(self.names):
+            raise TypeError(f"{self.entry_id} takes {len(self.names)} arguments ({', '.join(self.names)}), got {len(args)}")
+        n = args[self.first_act].shape[0]
+        largest = self.buckets[-1]
+        if n <= largest:
+            return self._run(args, n)
+        if not self.split:
+            raise BundleError(
+                f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
+                "rows per call, or rebuild with a larger bucket"
+            )
+        pieces = []
+        for start in range(0, n, largest):
+            m = min(largest, n - start)
+            part = [a if cache else a[start : start + m] for a, cache in zip(args, self.is_cache)]
+            pieces.append(self._run(part, m))
+        if self.single:
+            return torch.cat(pieces)
+        return tuple(torch.cat(outs) for outs in zip(*pieces))
+
+    def _run(self, args, n: int):
+        bucket = self.bucket_for[n]
+        flat = list(self.weights)
+        for i, a in enumerate(args):
+            if a.dtype != self.dtypes[i]:
+                raise BundleError(f"{self.entry_id}: argument {self.names[i]!r} is {a.dtype}, the graph takes {self.dtypes[i]}")
+            if self.is_cache[i]:
+                shape, stride = self.cache_layout[i]
+                if a.shape != shape or a.stride() != stride:
+                    # A cache with other strides than at export would run silently wrong in compiled code.
+                    raise BundleError(
+                        f"{self.entry_id}: cache {self.names[i]!r} has shape {list(a.shape)} strides {list(a.stride())}, "
+                        f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
+                        "contiguous slice of the cache allocated for this bundle"
+                    )
+            else:
+                if n != bucket:
+                    a = torch.cat([a, a.new_full((bucket - n, *a.shape[1:]), self.pads[i])])
+                a = a.contiguous()
+            flat.append(a)
+        outs = self.runners[bucket](flat)
+        if n != bucket:
+            outs = [o[:n] for o in outs]
+        return outs[0] if self.single else tuple(outs)
+
+    def __repr__(self):
+        return f"Dispatcher({self.entry_id}, buckets={self.buckets})"

@@ -1,0 +1,109 @@
+"""Batched greedy generation: chunked prefill, then batched decode.
+
+The loop is the same for the eager model and for a model bound to a bundle;
+only the entry methods differ. Prompts run in groups of at most `max_batch`;
+sequence i of a group lives in cache slot i, and the slot past the last
+(`slots - 1`) is the scratch slot that padding rows write to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import AotcError
+from ..models.base import CausalLM
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    new_ids: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
+
+
+@dataclass
+class Generation:
+    sequences: list[Sequence]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0  # from the call to the first token of the first group
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(s.new_ids) for s in self.sequences)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = self.new_tokens - len(self.sequences)  # the first token of each comes from prefill
+        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq: int) -> None:
+    for i, p in enumerate(prompts):
+        if not p:
+            raise AotcError(f"prompt {i} is empty; give at least one token")
+        if len(p) + max_new_tokens > max_seq:
+            raise AotcError(
+                f"prompt {i} has {len(p)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                f"{len(p) + max_new_tokens} positions, more than the cache holds (max_seq {max_seq}). "
+                "Shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-seq"
+            )
+
+
+@torch.no_grad()
+def generate(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    max_batch: int,
+    max_seq: int,
+    slots: int | None = None,
+    stop_at_eos: bool = True,
+    keep_logits: bool = False,
+) -> Generation:
+    if max_new_tokens < 1:
+        raise AotcError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
+    check_lengths(prompts, max_new_tokens, max_seq)
+    slots = slots or max_batch + 1
+    eos = set(getattr(model.config, "eos_token_ids", ())) if stop_at_eos else set()
+    caches = model.allocate_caches(slots, max_seq)
+    result = Generation([Sequence(list(p)) for p in prompts])
+    t_start = time.perf_counter()
+    for g in range(0, len(prompts), max_batch):
+        group = result.sequences[g : g + max_batch]
+        t0 = time.perf_counter()
+        logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids), i, caches) for i, s in enumerate(group)])
+        result.prefill_s += time.perf_counter() - t0
+        result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
+        done = _append(group, logits, eos, keep_logits, [False] * len(group))
+        if g == 0:
+            result.ttft_s = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        for step in range(1, max_new_tokens):
+            if all(done):
+                break
+            ids = torch.tensor([s.new_ids[-1] for s in group])
+            positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group])
+            logits = model.decode(ids, positions, caches)  # [B, vocab]
+            done = _append(group, logits, eos, keep_logits, done)
+            result.decode_steps += 1
+        result.decode_s += time.perf_counter() - t0
+    return result
+
+
+def _append(group, logits, eos, keep_logits, done) -> list[bool]:
+    next_ids = logits.argmax(dim=-1).tolist()
+    out = []
+    for s, token, row, finished in zip(group, next_ids, logits, done):
+        if not finished:
+            s.new_ids.append(token)
+            if keep_logits:
+                s.logits.append(row.clone())
+        out.append(finished or token in eos)
+    return out

@@ -1,0 +1,329 @@
+"""Tracing: one static graph per (entry class, method, variant, bucket).
+
+For each entry method, the instances of its class are grouped into variants
+(instances that agree on parameter names, shapes and dtypes and on every
+plain attribute the method reads). Each variant is exported once per bucket
+with torch.export (non-strict, static shapes), with the instance's parameters
+and buffers passed as graph inputs, so the one graph serves every instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .entry import EntrySpec, entries_of
+from .errors import TraceError
+from .passes import PassReport, run_pipeline
+from .passes.base import alias_root, source_line, written_args
+
+PLAIN = (int, float, bool, str, type(None))
+# nn.Module's own bookkeeping (_parameters, _modules, training, hooks...): not model attributes.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Build-wide static sizes that example inputs are made with."""
+
+    slots: int  # cache slots: the largest batch bucket, plus one scratch slot
+    max_seq: int
+
+
+@dataclass
+class Variant:
+    """Instances of one class that share a compiled graph for one method."""
+
+    entry_id: str
+    cls: type
+    spec: EntrySpec
+    instances: list[tuple[str, nn.Module]]
+    attributes: dict  # the differing attributes' values, when a class has several variants
+
+    @property
+    def module(self) -> nn.Module:
+        return self.instances[0][1]
+
+
+@dataclass
+class InputInfo:
+    name: str
+    kind: str  # "weight" | "cache" | "activation"
+    shape: list[int]
+    dtype: str
+    stride: list[int]
+    path: str | None = None  # weights: parameter path inside the instance
+    pad: float | int = 0  # activations: padding value
+
+
+@dataclass
+class TracedGraph:
+    variant: Variant
+    bucket: int
+    program: torch.export.ExportedProgram
+    inputs: list[InputInfo]
+    outputs: list[InputInfo]
+    passes: list[PassReport] = field(default_factory=list)
+    export_s: float = 0.0
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.program.graph_module
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- finding entries and variants ----------------------------------------------
+
+
+def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
+    """All entry methods of the model's modules, split into variants."""
+    groups: dict[tuple[type, str], list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules():
+        for method in entries_of(type(module)):
+            groups.setdefault((type(module), method), []).append((path, module))
+    variants = []
+    for (cls, method), instances in groups.items():
+        spec = entries_of(cls)[method]
+        if not hasattr(cls, "example_inputs"):
+            raise TraceError(f"{cls.__qualname__} has entry {method!r} but no example_inputs(method, rows, shapes) method")
+        keyed: dict[tuple, list[tuple[str, nn.Module]]] = {}
+        reads_of = {}
+        for path, module in instances:
+            reads = _attribute_reads(module, method, shapes, path)
+            reads_of[path] = reads
+            key = (_weight_signature(module), tuple(sorted(reads.items())))
+            keyed.setdefault(key, []).append((path, module))
+        base = f"{cls.__name__}.{method}"
+        if len(keyed) == 1:
+            variants.append(Variant(base, cls, spec, instances, {}))
+            continue
+        all_reads = [reads_of[group[0][0]] for group in keyed.values()]
+        differing = sorted({k for r in all_reads for k in r if len({repr(x.get(k)) for x in all_reads}) > 1})
+        for i, group in enumerate(keyed.values()):
+            reads = reads_of[group[0][0]]
+            attrs = {k: reads.get(k) for k in differing}
+            if not differing:  # the weights differ in shape or dtype
+                attrs = {"weights": [f"{n}:{list(s)}:{d}" for n, s, d in _weight_signature(group[0][1])][:4]}
+            variants.append(Variant(f"{base}.v{i}", cls, spec, group, attrs))
+    return variants
+
+
+def _weight_signature(module: nn.Module) -> tuple:
+    return tuple((name, tuple(t.shape), str(t.dtype)) for name, t in _weights(module))
+
+
+def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+
+
+@contextlib.contextmanager
+def _recording(module: nn.Module, log: dict, prefix: str):
+    """Record plain attributes read from the instance's __dict__ (and its submodules')."""
+    originals = []
+    paths = {id(m): name for name, m in module.named_modules()}
+
+    def make(cls):
+        def __getattribute__(self, name):
+            value = object.__getattribute__(self, name)
+            if name not in _MODULE_INTERNALS and name in object.__getattribute__(self, "__dict__"):
+                where = paths.get(id(self), "")
+                key = f"{where}.{name}" if where else name
+                if isinstance(value, torch.Tensor):
+                    raise TraceError(
+                        f"{prefix}.{key} is a tensor attribute that is neither a parameter nor a buffer; "
+                        "it would be baked into the graph as a constant. Register it with register_buffer()"
+                    )
+                if not callable(value) and not isinstance(value, nn.Module):
+                    log[key] = _freeze(value, f"{prefix}.{key}")
+            return value
+
+        return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
+
+    subclasses: dict[type, type] = {}
+    try:
+        for m in module.modules():
+            cls = type(m)
+            sub = subclasses.setdefault(cls, make(cls))
+            originals.append((m, cls))
+            m.__class__ = sub
+        yield
+    finally:
+        for m, cls in originals:
+            m.__class__ = cls
+
+
+def _freeze(value, where: str):
+    if isinstance(value, PLAIN):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, PLAIN) for v in value):
+        return tuple(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    raise TraceError(
+        f"{where} = {value!r} ({type(value).__name__}) is read by an entry method; layers can only be "
+        "grouped by plain values (int, float, bool, str, None or tuples of them). Make it a buffer "
+        "if it is per-layer data, or a plain value"
+    )
+
+
+def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
+    for _, t in _weights(module):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode, True
+    return FakeTensorMode(), False
+
+
+def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> dict[str, torch.Tensor]:
+    return {name: (t if already else mode.from_tensor(t)) for name, t in _weights(module)}
+
+
+class _Method(nn.Module):
+    """Calls one method of a module, so functional_call can swap its weights."""
+
+    def __init__(self, inner: nn.Module, method: str):
+        super().__init__()
+        self.inner = inner
+        self.method = method
+
+    def forward(self, *args):
+        return getattr(type(self.inner), self.method)(self.inner, *args)
+
+
+def _attribute_reads(module: nn.Module, method: str, shapes: Shapes, path: str) -> dict:
+    mode, already = _fake_mode_of(module)
+    log: dict = {}
+    weights = _fake_weights(module, mode, already)
+    with mode:
+        args = module.example_inputs(method, 1, shapes)
+    with _recording(module, log, path or type(module).__name__), mode:
+        torch.func.functional_call(_Method(module, method), {f"inner.{k}": v for k, v in weights.items()}, args, tie_weights=False)
+    return log
+
+
+# -- export --------------------------------------------------------------------
+
+
+def trace(variant: Variant, bucket: int, shapes: Shapes) -> TracedGraph:
+    """Export one variant at one bucket, run the pass pipeline, check the result."""
+    import time
+
+    module, spec = variant.module, variant.spec
+    mode, already = _fake_mode_of(module)
+    weights = _fake_weights(module, mode, already)
+    with mode:
+        args = tuple(module.example_inputs(spec.method, bucket, shapes))
+    if len(args) != len(spec.params):
+        raise TraceError(
+            f"{variant.cls.__qualname__}.example_inputs({spec.method!r}) returned {len(args)} tensors; "
+            f"the method takes {len(spec.params)}: {', '.join(spec.params)}"
+        )
+    names = list(weights)
+    wrapper = _flat_wrapper(_Method(module, spec.method), names)
+    t0 = time.perf_counter()
+    try:
+        program = torch.export.export(wrapper, (*weights.values(), *args), strict=False)
+    except Exception as e:  # export's errors are many types; all mean the same to the user
+        raise TraceError(_explain_export_failure(variant, bucket, e)) from e
+    export_s = time.perf_counter() - t0
+    gm = program.graph_module
+    reports = run_pipeline(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names) + len(args):
+        raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(names) + len(args)}")
+    inputs = []
+    for node, name in zip(placeholders, names + list(spec.params)):
+        val = node.meta["val"]
+        if name in weights:
+            kind, path, pad = "weight", name, 0
+        elif name in spec.caches:
+            kind, path, pad = "cache", None, 0
+        else:
+            kind, path, pad = "activation", None, spec.pad.get(name, 0)
+            if not val.shape or val.shape[0] != bucket:
+                raise TraceError(
+                    f"{variant.cls.__qualname__}.example_inputs({spec.method!r}, {bucket}) gave {name!r} shape "
+                    f"{list(val.shape)}; an activation's dim 0 must be the bucket ({bucket})"
+                )
+        inputs.append(InputInfo(name if kind != "weight" else f"w.{name}", kind, list(val.shape), dtype_name(val.dtype), list(val.stride()), path, pad))
+    outputs = _outputs(gm, variant, bucket)
+    _check_mutations(gm, inputs, variant)
+    return TracedGraph(variant, bucket, program, inputs, outputs, reports, export_s)
+
+
+def _flat_wrapper(method_module: _Method, names: list[str]) -> nn.Module:
+    n = len(names)
+
+    class Flat(nn.Module):
+        # method_module is deliberately not a registered submodule: its weights
+        # must enter the graph as the inputs below, not as lifted parameters.
+        def forward(self, *flat):
+            weights = {f"inner.{k}": v for k, v in zip(names, flat[:n])}
+            return torch.func.functional_call(method_module, weights, flat[n:], tie_weights=False, strict=True)
+
+    return Flat()
+
+
+def _outputs(gm, variant: Variant, bucket: int) -> list[InputInfo]:
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = []
+    for i, node in enumerate(out_node.args[0]):
+        if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            raise TraceError(f"{variant.entry_id}: output {i} is not a tensor; entry methods return tensors only")
+        root, _ = alias_root(node)
+        if root.op == "placeholder":
+            raise TraceError(
+                f"{variant.entry_id}: output {i} is (a view of) input {root.name}; caches are written in place "
+                "and never returned, and inputs are never returned as outputs"
+            )
+        val = node.meta["val"]
+        if not val.shape or val.shape[0] != bucket:
+            raise TraceError(f"{variant.entry_id}: output {i} has shape {list(val.shape)}; its dim 0 must be the bucket ({bucket})")
+        outs.append(InputInfo(f"out{i}", "activation", list(val.shape), dtype_name(val.dtype), list(val.stride())))
+    return outs
+
+
+def _check_mutations(gm, inputs: list[InputInfo], variant: Variant) -> None:
+    kinds = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, info in zip(placeholders, inputs):
+        kinds[node] = info
+    for node in gm.graph.nodes:
+        for target in written_args(node):
+            root, views = alias_root(target)
+            info = kinds.get(root)
+            if info is None:
+                continue
+            if info.kind != "cache":
+                raise TraceError(
+                    f"{source_line(node)}: {variant.entry_id} writes into {info.kind} {info.path or info.name!r}; "
+                    "only arguments named in @entry(caches=...) may be written"
+                )
+            direct = node.target in (torch.ops.aten.index_put_.default, torch.ops.aten.index_copy_.default)
+            if views or not direct:
+                raise TraceError(
+                    f"{source_line(node)}: cache {info.name!r} is written by {node.target} "
+                    f"{'through a view' if views else ''}; write it with one indexed assignment (cache[idx] = value)"
+                )
+
+
+def _explain_export_failure(variant: Variant, bucket: int, e: Exception) -> str:
+    text = str(e)
+    where = re.findall(r'File "([^"]+)", line (\d+)', text)
+    user = [f"{f}:{ln}" for f, ln in where if "/torch/" not in f]
+    hint = ""
+    if "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__ or "unbacked" in text.lower():
+        hint = (
+            " The code depends on tensor values (.item(), nonzero, tolist, a boolean mask, or a branch on a "
+            "tensor): compute it with tensor ops instead (torch.where, index tensors, a fixed-size mask)."
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    at = f" at {user[-1]}" if user else ""
+    return f"{variant.entry_id} (bucket {bucket}) cannot be exported{at}: {first}.{hint}"

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny model folders made here, never downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotc.build import BuildOptions, build
+from aotc.models.tiny import write_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The embedded default model, with 2 layers to keep tests fast."""
+    return write_tiny(tmp_path_factory.mktemp("models") / "tiny", layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_dir, tmp_path_factory):
+    """An export-backend bundle of tiny_dir: batch buckets 1,2,4, prefill chunk 16 and 64."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256))
+
+
+def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):
+    """Save a tiny random transformers model with save_pretrained; returns (folder, model)."""
+    torch.manual_seed(seed)
+    config = config_cls(**fields)
+    model = model_cls(config).eval()
+    model.save_pretrained(tmp_path)
+    return tmp_path, model
