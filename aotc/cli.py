@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import AotcError
+from .models.corpus import CORPUS
 
 app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graphs.", no_args_is_help=True, add_completion=False)
 init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
@@ -21,7 +22,14 @@ app.add_typer(init_app, name="init")
 console = Console()
 err_console = Console(stderr=True)
 
-DEFAULT_PROMPTS = ("Hello, world!",)
+# The smoke prompts of `aotc run`: four lengths, the last longer than two
+# prefill chunks of 128 with the tiny model's tokenizer.
+DEFAULT_PROMPTS = (
+    "Hello, world!",
+    "What is the capital of France?",
+    "Once upon a time there was a small model that learned to count: one, two, three,",
+    (CORPUS.strip() + " ") * 2,
+)
 
 
 def _fail(e: AotcError) -> None:
@@ -51,9 +59,9 @@ def build(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors)."),
     buckets: str = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated."),
     prefill_chunk: str = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated."),
-    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Cache length in tokens [default: min(max_position_embeddings, 1024)]."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024))."),
     backend: str = typer.Option("export", "--backend", help="Compiler backend: export."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder [default: artifacts/<model folder name>]."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>)."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .build import BuildOptions, build as run_build, parse_buckets
@@ -96,9 +104,10 @@ def build(
 @app.command()
 def run(
     bundle: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights [default: the one the bundle was built from]."),
-    prompt: list[str] = typer.Option(list(DEFAULT_PROMPTS), "--prompt", help="Prompt text; repeat for a batch."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from)."),
+    prompt: list[str] = typer.Option(list(DEFAULT_PROMPTS), "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
     check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ):
@@ -116,7 +125,9 @@ def run(
         prompts = [tokenizer.encode(p).ids for p in prompt]
         b.bind(loaded.model)
         setup_s = time.perf_counter() - t0
-        kwargs = dict(max_batch=b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
+        if max_batch is not None and max_batch > b.max_batch:
+            raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
+        kwargs = dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
         gen = generate(loaded.model, prompts, max_new_tokens, **kwargs)
         ref = None
         if check:
@@ -156,14 +167,14 @@ def inspect(
         f"cache slots {s['cache_slots']} (last is scratch)  graphs {m['graphs_traced']}"
     )
     table = Table()
-    for col in ("entry", "instances", "bucket", "inputs (w/c/a)", "outputs", "files", "compile s", "cache key"):
-        table.add_column(col)
+    for col in ("entry", "modules", "bucket", "inputs w/c/a", "outputs", "compile s", "cache key"):
+        table.add_column(col, no_wrap=col == "entry")
     for e in m["entries"]:
         for art in e["artifacts"]:
             kinds = [i["kind"] for i in art["inputs"]]
             inputs = f"{len(e['weights'])}/{kinds.count('cache')}/{kinds.count('activation')}"
-            outs = ", ".join(f"{o['shape']}" for o in art["outputs"])
-            table.add_row(e["id"], str(len(e["instances"])), str(art["bucket"]), inputs, outs, ", ".join(art["files"]), f"{art['compile_s']:.2f}", art["cache_key"][:12])
+            outs = " ".join("x".join(map(str, o["shape"])) for o in art["outputs"])
+            table.add_row(e["id"], str(len(e["instances"])), str(art["bucket"]), inputs, outs, f"{art['compile_s']:.2f}", art["cache_key"][:8])
     console.print(table)
 
 
@@ -209,7 +220,8 @@ def _report(prompts, gen, ref, tokenizer, bundle, setup_s) -> dict:
 
 def _print_report(report: dict) -> None:
     for i, p in enumerate(report["prompts"]):
-        console.print(f"[bold]prompt {i}[/] ({len(p['prompt_ids'])} tokens): {p['prompt']!r}", highlight=False)
+        shown = p["prompt"] if len(p["prompt"]) <= 80 else p["prompt"][:77] + "..."
+        console.print(f"[bold]prompt {i}[/] ({len(p['prompt_ids'])} tokens): {shown!r}", highlight=False)
         console.print(f"  -> {p['text']!r}", highlight=False)
     t = report["timings"]
     console.print(

@@ -10,7 +10,8 @@ and buffers passed as graph inputs, so the one graph serves every instance.
 from __future__ import annotations
 
 import contextlib
-import re
+import traceback
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -203,9 +204,25 @@ def _attribute_reads(module: nn.Module, method: str, shapes: Shapes, path: str) 
     weights = _fake_weights(module, mode, already)
     with mode:
         args = module.example_inputs(method, 1, shapes)
-    with _recording(module, log, path or type(module).__name__), mode:
-        torch.func.functional_call(_Method(module, method), {f"inner.{k}": v for k, v in weights.items()}, args, tie_weights=False)
+    _check_tensor_args(module, method, args)
+    try:
+        with _recording(module, log, path or type(module).__name__), mode:
+            torch.func.functional_call(_Method(module, method), {f"inner.{k}": v for k, v in weights.items()}, args, tie_weights=False)
+    except TraceError:
+        raise
+    except Exception as e:  # the user's code failed on fake inputs; say where
+        raise TraceError(_explain_failure(f"{type(module).__name__}.{method}", "cannot run on example inputs", e)) from e
     return log
+
+
+def _check_tensor_args(module: nn.Module, method: str, args) -> None:
+    params = entries_of(type(module))[method].params
+    for name, a in zip(params, args):
+        if not isinstance(a, torch.Tensor):
+            raise TraceError(
+                f"{type(module).__qualname__}.{method}: argument {name!r} is {a!r} ({type(a).__name__}); "
+                "entry arguments must be tensors (make a per-call value a tensor, a fixed one an attribute)"
+            )
 
 
 # -- export --------------------------------------------------------------------
@@ -231,7 +248,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes) -> TracedGraph:
     try:
         program = torch.export.export(wrapper, (*weights.values(), *args), strict=False)
     except Exception as e:  # export's errors are many types; all mean the same to the user
-        raise TraceError(_explain_export_failure(variant, bucket, e)) from e
+        raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
     export_s = time.perf_counter() - t0
     gm = program.graph_module
     reports = run_pipeline(gm)
@@ -314,16 +331,17 @@ def _check_mutations(gm, inputs: list[InputInfo], variant: Variant) -> None:
                 )
 
 
-def _explain_export_failure(variant: Variant, bucket: int, e: Exception) -> str:
+def _explain_failure(what: str, verb: str, e: Exception) -> str:
     text = str(e)
-    where = re.findall(r'File "([^"]+)", line (\d+)', text)
-    user = [f"{f}:{ln}" for f, ln in where if "/torch/" not in f]
+    ours = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     hint = ""
-    if "data-dependent" in text.lower() or "GuardOnDataDependent" in type(e).__name__ or "unbacked" in text.lower():
+    lowered = (text + type(e).__name__).lower()
+    if "data-dependent" in lowered or "datadependent" in lowered or "unbacked" in lowered or "local_scalar_dense" in lowered:
         hint = (
             " The code depends on tensor values (.item(), nonzero, tolist, a boolean mask, or a branch on a "
             "tensor): compute it with tensor ops instead (torch.where, index tensors, a fixed-size mask)."
         )
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    at = f" at {user[-1]}" if user else ""
-    return f"{variant.entry_id} (bucket {bucket}) cannot be exported{at}: {first}.{hint}"
+    return f"{what} {verb}{where}: {first}.{hint}"

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .base import parse_config
+from .corpus import CORPUS
 from .registry import get_architecture
 
 DEFAULT_ARCH = "llama"
@@ -26,18 +27,6 @@ DEFAULT_SEED = 0
 TOKENIZER_VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: bos 1, eos 2 as in the tiny configs
 
-# The tokenizer is trained on this text, so that it is fixed and needs no download.
-_CORPUS = """
-Ahead-of-time compilation traces each layer once per bucket with static shapes,
-so one compiled graph serves every identical layer of the model. The weights and
-the caches are inputs of the graph; the cache is written in place, directly.
-A thin runtime loads the bundle, picks the smallest bucket that fits, pads the
-batch, and runs. Engineers who deploy language models on accelerators lose hours
-to recompiles, graph breaks, aliasing errors and cold starts. The quick brown fox
-jumps over the lazy dog; pack my box with five dozen liquor jugs. Once upon a time
-there was a small model that learned to count: one, two, three, four, five, six,
-seven, eight, nine, ten. Hello, world! What is the capital of France? Paris.
-"""
 
 
 def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
@@ -51,7 +40,7 @@ def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     return tok
 
 

@@ -1,0 +1,112 @@
+"""The command line, end to end: init -> build -> run --check -> inspect."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from aotc.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False, env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model, bundle = root / "tiny", root / "bundle"
+    r = invoke("init", "tiny", model, "--layers", 2)
+    assert r.exit_code == 0, r.output
+    r = invoke("build", model, "--buckets", "1,2,4", "--prefill-chunk", "16,32", "--max-seq", 192, "-o", bundle)
+    assert r.exit_code == 0, r.output
+    return model, bundle, r.output
+
+
+def test_build_reports_graphs_and_table(built):
+    model, bundle, output = built
+    assert "traced 8 graphs for 3 entries serving 5 module instances" in output
+    assert "LlamaDecoderLayer.prefill" in output and "LMHead.forward" in output
+    assert (bundle / "manifest.json").is_file()
+    files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.pt2"))
+    assert files == sorted(
+        [f"entries/LlamaDecoderLayer.decode/b{b}/program.pt2" for b in (1, 2, 4)]
+        + [f"entries/LlamaDecoderLayer.prefill/b{b}/program.pt2" for b in (16, 32)]
+        + [f"entries/LMHead.forward/b{b}/program.pt2" for b in (1, 2, 4)]
+    )
+    assert not list(bundle.parent.glob(".bundle.tmp-*"))  # no temporary folder left behind
+
+
+LONG = " ".join(["the quick brown fox jumps over the lazy dog."] * 8)  # more than 2 chunks of 32
+
+
+@pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "What is the capital of France?", LONG]])
+def test_run_check_json(built, prompts):
+    _, bundle, _ = built
+    args = ["run", bundle, "--max-new-tokens", 8, "--check", "--json"]
+    for p in prompts:
+        args += ["--prompt", p]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert [p["prompt"] for p in report["prompts"]] == prompts
+    assert report["check"]["tokens_equal"] is True
+    for p, c in zip(report["prompts"], report["check"]["per_prompt"]):
+        assert len(p["new_ids"]) == c["tokens"] and p["new_ids"] == c["eager_new_ids"]
+        assert isinstance(p["text"], str) and p["prompt_ids"]
+    assert report["check"]["max_logit_diff"] < 1e-3
+    assert report["timings"]["decode_tokens_per_s"] > 0
+    if len(prompts) > 1:
+        assert len(report["prompts"][2]["prompt_ids"]) > 64
+
+
+def test_run_text_output(built):
+    _, bundle, _ = built
+    r = invoke("run", bundle, "--prompt", "Hello", "--max-new-tokens", 4, "--check")
+    assert r.exit_code == 0, r.output
+    assert "every token matches eager" in r.output and "tokens/s" in r.output
+
+
+def test_inspect(built):
+    _, bundle, _ = built
+    r = invoke("inspect", bundle)
+    assert r.exit_code == 0 and "LlamaDecoderLayer.decode" in r.output and "cache slots 5" in r.output
+    r = invoke("inspect", bundle, "--json")
+    manifest = json.loads(r.output)
+    assert list(manifest)[0] == "format_version"
+    decode = next(e for e in manifest["entries"] if e["id"] == "LlamaDecoderLayer.decode")
+    assert decode["instances"] == ["model.layers.0", "model.layers.1"]
+    kinds = {i["name"]: i["kind"] for i in decode["artifacts"][0]["inputs"]}
+    assert kinds == {"x": "activation", "cos": "activation", "sin": "activation", "positions": "activation", "slots": "activation", "k_cache": "cache", "v_cache": "cache"}
+    assert all(w["path"] for w in decode["weights"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["build", "{model}", "--buckets", "1,x"], "--buckets '1,x': expected comma-separated positive integers"),
+        (["build", "{model}", "--backend", "tpu"], "unknown backend 'tpu'; known: export"),
+        (["build", "{missing}"], "not a folder"),
+        (["run", "{missing}"], "no manifest.json"),
+        (["run", "{bundle}", "--prompt", "{long}", "--max-new-tokens", "8"], "more than the cache holds (max_seq 192)"),
+    ],
+)
+def test_errors_exit_2_with_a_message(built, tmp_path, args, message):
+    model, bundle, _ = built
+    values = dict(model=model, bundle=bundle, missing=tmp_path / "nope", long=" ".join(["word"] * 400))
+    r = invoke(*[a.format(**values) for a in args])
+    assert r.exit_code == 2
+    assert message in " ".join(r.output.split())
+
+
+def test_console_script_help():
+    r = subprocess.run([sys.executable, "-m", "aotc.cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    for command in ("init", "build", "run", "inspect"):
+        assert command in r.stdout

@@ -1,0 +1,179 @@
+"""The runtime: bundle loading and validation, dispatch, padding, chunked prefill."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from aotc.build import BuildOptions, build
+from aotc.errors import AotcError, BundleError
+from aotc.models.base import load_model
+from aotc.runtime import Bundle, Dispatcher, generate
+
+SENTINEL = 7.0
+
+
+@pytest.fixture()
+def bound(tiny_dir, tiny_bundle):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(tiny_bundle.out)
+    bundle.check_model(loaded)
+    bundle.bind(loaded.model)
+    return loaded, bundle
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_bind_replaces_entries_with_dispatchers(bound):
+    loaded, bundle = bound
+    layer = loaded.model.model.layers[1]
+    assert isinstance(layer.decode, Dispatcher) and isinstance(layer.prefill, Dispatcher)
+    assert isinstance(loaded.model.head.forward, Dispatcher)
+    assert layer.decode.buckets == [1, 2, 4] and layer.prefill.buckets == [16, 64]
+    Bundle.unbind(loaded.model)
+    assert not isinstance(layer.decode, Dispatcher)
+
+
+@pytest.mark.parametrize("lengths", [(9,), (5, 30, 70)])
+def test_bundle_generation_equals_eager(bound, lengths):
+    """Batch 1, and batch 3 padded into bucket 4; prompt 70 runs as chunks 64 + 16."""
+    loaded, bundle = bound
+    ps = prompts(*lengths)
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    compiled = generate(loaded.model, ps, 10, **kw)
+    Bundle.unbind(loaded.model)
+    eager = generate(loaded.model, ps, 10, **kw)
+    for c, e in zip(compiled.sequences, eager.sequences):
+        assert c.new_ids == e.new_ids
+        torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_padding_rows_write_only_the_scratch_slot(bound):
+    loaded, bundle = bound
+    model = loaded.model
+    slots, max_seq = bundle.cache_slots, bundle.max_seq  # 5 slots: 0..3 for sequences, 4 is scratch
+    ps = prompts(6, 11, 4)
+    compiled = {k: v.fill_(SENTINEL) for k, v in model.allocate_caches(slots, max_seq).items()}
+    for i, p in enumerate(ps):
+        model.prefill(torch.tensor(p), i, compiled)
+    ids, positions = torch.tensor([p[-1] for p in ps]), torch.tensor([len(p) for p in ps])
+    model.decode(ids, positions, compiled)  # 3 rows -> bucket 4: one padding row
+    Bundle.unbind(model)
+    eager = {k: v.fill_(SENTINEL) for k, v in model.allocate_caches(slots, max_seq).items()}
+    for i, p in enumerate(ps):
+        model.prefill(torch.tensor(p), i, eager)
+    model.decode(ids, positions, eager)
+    for kind in ("k", "v"):
+        c, e = compiled[kind], eager[kind]
+        torch.testing.assert_close(c[:, :3], e[:, :3], atol=1e-5, rtol=1e-5)  # real sequences: as eager
+        assert c[:, 3].eq(SENTINEL).all()  # the slot no sequence owns: never touched
+        assert not c[:, 4].eq(SENTINEL).all()  # padding rows (and padded prefill tokens) wrote here
+        assert e[:, 4].eq(SENTINEL).all()  # eager has no padding
+
+
+@pytest.fixture(scope="module")
+def long_bundle(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundles") / "chunk128"
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(128,), max_seq=768))
+
+
+def test_715_token_prompt_prefills_in_6_chunks_and_matches_unchunked_eager(tiny_dir, long_bundle):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(long_bundle.out)
+    calls = []
+    for key, runner in list(bundle.runners.items()):
+        bundle.runners[key] = lambda args, key=key, runner=runner: calls.append(key) or runner(args)
+    bundle.bind(loaded.model)
+    (ids,) = prompts(715)
+    ids = torch.tensor(ids)
+    model = loaded.model
+    compiled = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    logits = model.prefill(ids, 0, compiled)
+    per_layer = [k for k in calls if k[0] == "LlamaDecoderLayer.prefill"]
+    assert len(per_layer) == 6 * len(model.model.layers)  # 5 full chunks + 1 padded chunk per layer
+    Bundle.unbind(model)
+    eager = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    expected = model.prefill(ids, 0, eager)  # one unchunked call
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(compiled["k"][:, 0, :, :715], eager["k"][:, 0, :, :715], atol=1e-5, rtol=1e-5)
+
+
+def test_batch_larger_than_largest_bucket_runs_in_several_calls(bound):
+    loaded, bundle = bound
+    ps = prompts(3, 8, 5, 12, 7, 4)  # 6 prompts, largest bucket 4: groups of 4 and 2
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+    compiled = generate(loaded.model, ps, 6, **kw)
+    Bundle.unbind(loaded.model)
+    eager = generate(loaded.model, ps, 6, max_batch=len(ps), max_seq=bundle.max_seq, stop_at_eos=False)
+    assert [s.new_ids for s in compiled.sequences] == [s.new_ids for s in eager.sequences]
+
+
+def test_decode_rows_beyond_largest_bucket_are_an_error(bound):
+    loaded, _ = bound
+    layer = loaded.model.model.layers[0]
+    with pytest.raises(BundleError, match="5 rows but the largest bucket is 4"):
+        layer.decode(*([torch.zeros(5)] * 5), torch.zeros(1), torch.zeros(1))
+
+
+def test_too_long_prompt_is_an_error_before_any_work(bound, monkeypatch):
+    loaded, bundle = bound
+    called = []
+    monkeypatch.setattr(loaded.model, "prefill", lambda *a, **k: called.append(a))
+    with pytest.raises(AotcError, match=r"prompt 1 has 250 tokens; with --max-new-tokens 10 .*\(max_seq 256\)"):
+        generate(loaded.model, prompts(5, 250), 10, max_batch=4, max_seq=bundle.max_seq)
+    assert not called
+
+
+def test_cache_with_other_strides_is_an_error_at_the_call(bound):
+    loaded, bundle = bound
+    layer, model = loaded.model.model.layers[0], loaded.model
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    x = torch.zeros(2, 256)
+    cos, sin = model.rope(torch.tensor([0, 1]))
+    bad = caches["k"][0].transpose(2, 3).contiguous().transpose(2, 3)  # same shape, other strides
+    with pytest.raises(BundleError, match=r"cache 'k_cache' has shape .* strides .* built for"):
+        layer.decode(x, cos, sin, torch.tensor([0, 1]), torch.tensor([0, 1]), bad, caches["v"][0])
+
+
+def test_config_mismatch_is_an_error_naming_the_field(tiny_dir, tiny_bundle, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (other / "config.json").write_text(json.dumps(config))
+    bundle = Bundle.load(tiny_bundle.out)
+    with pytest.raises(BundleError, match=r"rms_norm_eps is 0.001, but bundle .* was built with 1e-05"):
+        bundle.check_model(load_model(other))
+
+
+def test_weight_shape_mismatch_is_an_error_naming_the_weight(tiny_dir, tiny_bundle):
+    loaded = load_model(tiny_dir)
+    layer = loaded.model.model.layers[1]
+    layer.mlp.up_proj.weight = torch.nn.Parameter(torch.zeros(700, 256))
+    with pytest.raises(BundleError, match=r"weight model.layers.1.mlp.up_proj.weight is \[700, 256\]"):
+        Bundle.load(tiny_bundle.out).bind(loaded.model)
+
+
+def test_changed_artifact_is_refused(tiny_bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.out, copy)
+    victim = next(copy.glob("entries/LMHead.forward/b1/*"))
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(BundleError, match=rf"{victim.name}: sha256 differs"):
+        Bundle.load(copy)
+
+
+def test_other_format_version_is_refused(tiny_bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.out, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["format_version"] = 999
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="bundle format 999"):
+        Bundle.load(copy)
