@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
+import os
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -15,11 +18,12 @@ import torch
 
 from . import __version__
 from .backends import Backend, get_backend
+from .backends.base import get_backend_class
 from .errors import AotcError
 from .format import DEFAULT_ARTIFACTS, FORMAT_VERSION, MANIFEST, artifact_dir, bundle_writer, manifest_json, sha256_file, write_json_atomic
 from .models.base import load_model
 from .passes import pipeline_identity
-from .trace import Shapes, TracedGraph, Variant, dtype_name, find_variants, trace
+from .trace import Shapes, TracedGraph, Variant, dtype_name, find_variants, trace, weights_of
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_CHUNK_BUCKETS = (128,)
@@ -44,8 +48,9 @@ class BuildOptions:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     chunk_buckets: tuple[int, ...] = DEFAULT_CHUNK_BUCKETS
     max_seq: int | None = None  # default: min(max_position_embeddings, DEFAULT_MAX_SEQ)
-    backend: str = "export"
-    backend_options: dict = field(default_factory=dict)
+    backend: str | None = None  # default: inductor where a C++ compiler is present, else export
+    device: str = "cpu"
+    jobs: int | None = None  # default: from cores and free memory (inductor), 1 (export)
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
@@ -54,13 +59,33 @@ class BuildOptions:
         self.out = Path(self.out)
         if self.max_seq is not None and self.max_seq <= 0:
             raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")
+        if self.jobs is not None and self.jobs <= 0:
+            raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
 
     @property
     def shapes(self) -> Shapes:
-        return Shapes(slots=max(self.batch_buckets) + 1, max_seq=self.max_seq)
+        return Shapes(slots=max(self.batch_buckets) + 1, max_seq=self.max_seq, device=self.device)
 
     def buckets(self, kind: str) -> tuple[int, ...]:
         return {"batch": self.batch_buckets, "chunk": self.chunk_buckets}[kind]
+
+    def backend_options(self) -> dict:
+        return {"device": self.device} if self.backend == "inductor" else {}
+
+
+def default_backend() -> tuple[str, str | None]:
+    """inductor where it can compile here, else export with the reason."""
+    why = get_backend_class("inductor")().unavailable()
+    return ("export", why) if why else ("inductor", None)
+
+
+def default_jobs(tasks: int, backend: str) -> int:
+    """Parallel compile processes: bounded by cores and by free memory (about 2 GB per compile)."""
+    if backend == "export" or tasks <= 1:
+        return 1  # a compile is a file write: processes would cost more than they save
+    cores = os.cpu_count() or 1
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(cores, free // (2 << 30), tasks))
 
 
 @dataclass
@@ -80,6 +105,7 @@ class BuildResult:
     graphs_traced: int
     variants: list[Variant]
     seconds: float
+    jobs: int
 
 
 # progress(event, **info): "entry" (id, total), "done" (id, bucket), called by build()
@@ -89,7 +115,9 @@ Progress = Callable[..., None]
 def build(options: BuildOptions, progress: Progress | None = None) -> BuildResult:
     t0 = time.perf_counter()
     progress = progress or (lambda *a, **k: None)
-    backend = get_backend(options.backend, **options.backend_options)
+    if options.backend is None:
+        options.backend, _ = default_backend()
+    backend = get_backend(options.backend, **options.backend_options())
     loaded = load_model(options.model_dir, weights=False)
     if options.max_seq is None:
         options.max_seq = min(getattr(loaded.config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
@@ -97,19 +125,31 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
-    entries, artifacts = [], []
+    tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
+    jobs = options.jobs or default_jobs(len(tasks), backend.name)
+    for v in variants:
+        progress("entry", id=v.entry_id, total=len(options.buckets(v.spec.bucket)))
+    built: dict[tuple[str, int], BuiltArtifact] = {}
     with bundle_writer(options.out) as tmp:
-        for variant in variants:
-            buckets = options.buckets(variant.spec.bucket)
-            progress("entry", id=variant.entry_id, total=len(buckets))
-            records = []
-            for bucket in buckets:
-                graph = trace(variant, bucket, shapes)
-                built = _compile(backend, graph, tmp)
-                records.append(built.record)
-                artifacts.append(built)
+        if jobs == 1:
+            for variant, bucket in tasks:
+                built[variant.entry_id, bucket] = _compile(backend, trace(variant, bucket, shapes, backend.pass_target()), tmp)
                 progress("done", id=variant.entry_id, bucket=bucket)
-            entries.append(_entry_record(variant, records, graph))
+        else:
+            # Each worker traces its own graphs from the model folder (tracing is
+            # cheap and deterministic) and compiles them; nothing large crosses processes.
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                futures = {pool.submit(_compile_task, options, v.entry_id, b, tmp): (v.entry_id, b) for v, b in tasks}
+                for future in as_completed(futures):
+                    entry_id, bucket = futures[future]
+                    built[entry_id, bucket] = future.result()
+                    progress("done", id=entry_id, bucket=bucket)
+        artifacts = [built[v.entry_id, b] for v, b in tasks]
+        entries = [
+            _entry_record(v, [built[v.entry_id, b].record for b in options.buckets(v.spec.bucket)], loaded.model)
+            for v in variants
+        ]
         manifest = manifest_json(
             {
                 "aotc_version": __version__,
@@ -131,13 +171,27 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
                     kind: {"shape": list(shape), "dtype": dtype_name(dtype)}
                     for kind, (shape, dtype) in loaded.model.cache_specs(shapes.slots, shapes.max_seq).items()
                 },
-                "passes": pipeline_identity(),
+                "passes": pipeline_identity(backend.pass_target()),
                 "graphs_traced": len(artifacts),
                 "entries": entries,
             }
         )
         write_json_atomic(tmp / MANIFEST, manifest)
-    return BuildResult(options.out, manifest, artifacts, len(artifacts), variants, time.perf_counter() - t0)
+    return BuildResult(options.out, manifest, artifacts, len(artifacts), variants, time.perf_counter() - t0, jobs)
+
+
+_WORKER_VARIANTS: dict = {}
+
+
+def _compile_task(options: BuildOptions, entry_id: str, bucket: int, bundle_dir: Path) -> BuiltArtifact:
+    """Worker process: trace one (entry, bucket) from the model folder and compile it."""
+    key = (str(options.model_dir), options.shapes)
+    if key not in _WORKER_VARIANTS:
+        loaded = load_model(options.model_dir, weights=False)
+        _WORKER_VARIANTS[key] = {v.entry_id: v for v in find_variants(loaded.model, options.shapes)}
+    variant = _WORKER_VARIANTS[key][entry_id]
+    backend = get_backend(options.backend, **options.backend_options())
+    return _compile(backend, trace(variant, bucket, options.shapes, backend.pass_target()), bundle_dir)
 
 
 def _compile(backend: Backend, graph: TracedGraph, bundle_dir: Path) -> BuiltArtifact:
@@ -165,7 +219,7 @@ def _compile(backend: Backend, graph: TracedGraph, bundle_dir: Path) -> BuiltArt
     return BuiltArtifact(graph.variant.entry_id, graph.bucket, seconds, size, record)
 
 
-def _entry_record(variant: Variant, records: list[dict], graph: TracedGraph) -> dict:
+def _entry_record(variant: Variant, records: list[dict], model) -> dict:
     return {
         "id": variant.entry_id,
         "class": variant.cls.__qualname__,
@@ -174,7 +228,10 @@ def _entry_record(variant: Variant, records: list[dict], graph: TracedGraph) -> 
         "split": variant.spec.split,
         "variant": variant.attributes,
         "instances": [path for path, _ in variant.instances],
-        "weights": [{"path": i.path, "shape": i.shape, "dtype": i.dtype} for i in graph.inputs if i.kind == "weight"],
+        "weights": [
+            {"path": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "stride": list(t.stride())}
+            for name, t in weights_of(variant.module)
+        ],
         "artifacts": records,
     }
 

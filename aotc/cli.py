@@ -60,13 +60,19 @@ def build(
     buckets: str = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated."),
     prefill_chunk: str = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated."),
     max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024))."),
-    backend: str = typer.Option("export", "--backend", help="Compiler backend: export."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="export | inductor (default: inductor where a C++ compiler is present, else export)."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>)."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
-    from .build import BuildOptions, build as run_build, parse_buckets
+    from .build import BuildOptions, build as run_build, default_backend, parse_buckets
 
     try:
+        if backend is None:
+            backend, why = default_backend()
+            if why:
+                err_console.print(f"[yellow]using the export backend:[/] inductor is unavailable: {why}", highlight=False)
         options = BuildOptions(
             model_dir,
             out=out,
@@ -74,6 +80,8 @@ def build(
             chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
             max_seq=max_seq,
             backend=backend,
+            device=device,
+            jobs=jobs,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -88,7 +96,7 @@ def build(
             result = run_build(options, progress=report)
     except AotcError as e:
         _fail(e)
-    table = Table(title=f"{result.out}  ({options.backend})")
+    table = Table(title=f"{result.out}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
     for col in ("entry", "bucket", "seconds", "size"):
         table.add_column(col, justify="left" if col == "entry" else "right")
     for a in result.artifacts:
@@ -121,6 +129,7 @@ def run(
         model_dir = model or Path(b.manifest["model"]["source"])
         loaded = load_model(model_dir)
         b.check_model(loaded)
+        loaded.model.to(b.device)
         tokenizer = _tokenizer(model_dir)
         prompts = [tokenizer.encode(p).ids for p in prompt]
         b.bind(loaded.model)
@@ -225,8 +234,8 @@ def _print_report(report: dict) -> None:
         console.print(f"  -> {p['text']!r}", highlight=False)
     t = report["timings"]
     console.print(
-        f"{report['backend']}: bundle load {t['bundle_load_s'] * 1e3:.0f} ms, time to first token {t['ttft_s'] * 1e3:.0f} ms "
-        f"({t['prefill_tokens']} prompt tokens), decode {t['decode_tokens_per_s']:.1f} tokens/s"
+        f"{report['backend']}: bundle load {t['bundle_load_s'] * 1e3:.0f} ms, time to first token {t['ttft_s'] * 1e3:.0f} ms, "
+        f"prefill {t['prefill_tokens']} tokens in {t['prefill_s'] * 1e3:.0f} ms, decode {t['decode_tokens_per_s']:.1f} tokens/s"
     )
     if "check" in report:
         c = report["check"]

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
-from .passes import PassReport, run_pipeline
+from .passes import PassReport, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
 
 PLAIN = (int, float, bool, str, type(None))
@@ -34,6 +34,7 @@ class Shapes:
 
     slots: int  # cache slots: the largest batch bucket, plus one scratch slot
     max_seq: int
+    device: str = "cpu"
 
 
 @dataclass
@@ -118,10 +119,11 @@ def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
 
 
 def _weight_signature(module: nn.Module) -> tuple:
-    return tuple((name, tuple(t.shape), str(t.dtype)) for name, t in _weights(module))
+    return tuple((name, tuple(t.shape), str(t.dtype)) for name, t in weights_of(module))
 
 
-def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def weights_of(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The graph's weight inputs, in order: parameters, then buffers."""
     return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
 
 
@@ -176,14 +178,14 @@ def _freeze(value, where: str):
 
 
 def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
-    for _, t in _weights(module):
+    for _, t in weights_of(module):
         if isinstance(t, FakeTensor):
             return t.fake_mode, True
     return FakeTensorMode(), False
 
 
 def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> dict[str, torch.Tensor]:
-    return {name: (t if already else mode.from_tensor(t)) for name, t in _weights(module)}
+    return {name: (t if already else mode.from_tensor(t)) for name, t in weights_of(module)}
 
 
 class _Method(nn.Module):
@@ -228,8 +230,9 @@ def _check_tensor_args(module: nn.Module, method: str, args) -> None:
 # -- export --------------------------------------------------------------------
 
 
-def trace(variant: Variant, bucket: int, shapes: Shapes) -> TracedGraph:
-    """Export one variant at one bucket, run the pass pipeline, check the result."""
+def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None = None) -> TracedGraph:
+    """Export one variant at one bucket, run the pass pipeline (with the passes
+    of `pass_target`, a backend target such as "inductor-cpu"), check the result."""
     import time
 
     module, spec = variant.module, variant.spec
@@ -237,6 +240,9 @@ def trace(variant: Variant, bucket: int, shapes: Shapes) -> TracedGraph:
     weights = _fake_weights(module, mode, already)
     with mode:
         args = tuple(module.example_inputs(spec.method, bucket, shapes))
+        if shapes.device != "cpu":  # the build machine needs no GPU: these are fake tensors
+            weights = {k: v.to(shapes.device) for k, v in weights.items()}
+            args = tuple(a.to(shapes.device) for a in args)
     if len(args) != len(spec.params):
         raise TraceError(
             f"{variant.cls.__qualname__}.example_inputs({spec.method!r}) returned {len(args)} tensors; "
@@ -251,7 +257,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes) -> TracedGraph:
         raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
     export_s = time.perf_counter() - t0
     gm = program.graph_module
-    reports = run_pipeline(gm)
+    reports = run_pipeline(gm, pipeline_for(pass_target))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(names) + len(args):
         raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(names) + len(args)}")

@@ -19,7 +19,7 @@ def tiny_dir(tmp_path_factory):
 def tiny_bundle(tiny_dir, tmp_path_factory):
     """An export-backend bundle of tiny_dir: batch buckets 1,2,4, prefill chunk 16 and 64."""
     out = tmp_path_factory.mktemp("bundles") / "tiny"
-    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256))
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256, backend="export"))
 
 
 def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):

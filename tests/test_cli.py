@@ -24,7 +24,7 @@ def built(tmp_path_factory):
     model, bundle = root / "tiny", root / "bundle"
     r = invoke("init", "tiny", model, "--layers", 2)
     assert r.exit_code == 0, r.output
-    r = invoke("build", model, "--buckets", "1,2,4", "--prefill-chunk", "16,32", "--max-seq", 192, "-o", bundle)
+    r = invoke("build", model, "--backend", "export", "--buckets", "1,2,4", "--prefill-chunk", "16,32", "--max-seq", 192, "-o", bundle)
     assert r.exit_code == 0, r.output
     return model, bundle, r.output
 

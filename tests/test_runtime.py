@@ -80,7 +80,7 @@ def test_padding_rows_write_only_the_scratch_slot(bound):
 @pytest.fixture(scope="module")
 def long_bundle(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bundles") / "chunk128"
-    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(128,), max_seq=768))
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(128,), max_seq=768, backend="export"))
 
 
 def test_715_token_prompt_prefills_in_6_chunks_and_matches_unchunked_eager(tiny_dir, long_bundle):

@@ -42,6 +42,16 @@ class Backend(abc.ABC):
         """Normalized compiler flags; go into cache keys and the manifest."""
         return {}
 
+    def pass_target(self) -> str | None:
+        """Which backend-specific passes run on its graphs (aotc.passes.BACKEND_PASSES)."""
+        return None
+
+    def incompatible(self, built: dict) -> str | None:
+        """Why artifacts built as `built` (the manifest's backend record) cannot run here, or None."""
+        if built.get("version") != self.version():
+            return f"built with {self.name} {built.get('version')}, this machine has {self.version()}"
+        return None
+
     @abc.abstractmethod
     def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
         """Compile one traced graph into files under out_dir."""
@@ -64,11 +74,15 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str, **options) -> Backend:
+def get_backend_class(name: str) -> type[Backend]:
     _import_builtin()
     if name not in _BACKENDS:
         raise BackendError(f"unknown backend {name!r}; {did_you_mean(name, _BACKENDS)}")
-    backend = _BACKENDS[name](**options)
+    return _BACKENDS[name]
+
+
+def get_backend(name: str, **options) -> Backend:
+    backend = get_backend_class(name)(**options)
     why = backend.unavailable()
     if why:
         raise BackendError(f"backend {name!r} is not available here: {why}")
@@ -76,4 +90,4 @@ def get_backend(name: str, **options) -> Backend:
 
 
 def _import_builtin() -> None:
-    from . import export  # noqa: F401
+    from . import export, inductor  # noqa: F401

@@ -336,8 +336,8 @@ class LlamaForCausalLM(CausalLM):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [N] -> cos, sin: [N, hd], as transformers computes them (float32, then cast)
-        if self.inv_freq is None:
-            self.inv_freq = rope_inv_freq(self.config)
+        if self.inv_freq is None or self.inv_freq.device != positions.device:
+            self.inv_freq = rope_inv_freq(self.config).to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.config.dtype), emb.sin().to(self.config.dtype)
@@ -351,8 +351,8 @@ class LlamaForCausalLM(CausalLM):
     @torch.no_grad()
     def prefill(self, ids, slot, caches, start=0):
         n = ids.shape[0]
-        positions = torch.arange(start, start + n)
-        slots = torch.full((n,), slot, dtype=torch.long)
+        positions = torch.arange(start, start + n, device=ids.device)
+        slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
         x = self.run_layers("prefill", self.model.embed_tokens(ids), positions, slots, caches)
         return self.head(x[-1:])[0]
 
@@ -367,7 +367,7 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.no_grad()
     def decode(self, ids, positions, caches):
-        slots = torch.arange(ids.shape[0])
+        slots = torch.arange(ids.shape[0], device=ids.device)
         x = self.run_layers("decode", self.model.embed_tokens(ids), positions, slots, caches)
         return self.head(x)
 

@@ -44,19 +44,25 @@ def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
     return tok
 
 
-def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED) -> Path:
-    """Write a random model folder; replaces `out` atomically."""
-    out = Path(out)
+def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, **overrides) -> Path:
+    """Write a random model folder; `overrides` change config.json fields (e.g. hidden_size)."""
     architecture = get_architecture(arch)
     tokenizer = make_tokenizer()
     config = architecture.model_class.tiny_config(layers=layers, vocab_size=tokenizer.get_vocab_size(), variant=arch)
+    config.update(overrides)
+    return write_model(out, config, tokenizer, seed=seed)
+
+
+def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED) -> Path:
+    """Write config.json, tokenizer.json and random weights (HF names) into `out`, atomically."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _, arch_, parsed = parse_config(tmp)
-        model = arch_.model_class(parsed)
+        _, arch, parsed = parse_config(tmp)
+        model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed))
         tied = model.tied_parameters()
         tensors = {

@@ -8,6 +8,7 @@ from torch import fx
 
 from .base import GraphPass, PassResult
 from .reslice_cache_views import ResliceCacheViews
+from .rewrite_skinny_linears import RewriteSkinnyLinears
 
 PIPELINE: list[GraphPass] = [
     # First: the passes after it, and every backend, may assume that each
@@ -15,12 +16,23 @@ PIPELINE: list[GraphPass] = [
     ResliceCacheViews(),
 ]
 
+# Passes that only pay off on some backends run after the common pipeline.
+BACKEND_PASSES: dict[str, list[GraphPass]] = {
+    # CPU code is bound by weight reads in decode; accelerators want the matmul.
+    "inductor-cpu": [RewriteSkinnyLinears()],
+}
+
 
 @dataclass
 class PassReport:
     name: str
     uuid: str
     changes: int
+
+
+def pipeline_for(target: str | None) -> list[GraphPass]:
+    """The common pipeline, then the passes of one backend target (e.g. "inductor-cpu")."""
+    return PIPELINE + BACKEND_PASSES.get(target or "", [])
 
 
 def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassReport]:
@@ -31,6 +43,6 @@ def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> l
     return reports
 
 
-def pipeline_identity() -> list[dict]:
+def pipeline_identity(target: str | None = None) -> list[dict]:
     """Name and source hash of each pass, in order, for cache keys and the manifest."""
-    return [{"name": p.name, "uuid": p.uuid()} for p in PIPELINE]
+    return [{"name": p.name, "uuid": p.uuid()} for p in pipeline_for(target)]

@@ -103,3 +103,19 @@ def fake_val(node: fx.Node) -> torch.Tensor:
     if not isinstance(val, torch.Tensor):
         raise TraceError(f"node {node.name} has no tensor metadata; was the graph made by torch.export?")
     return val
+
+
+def insert_call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    """Insert a call (at the graph's current insert point) with its fake-tensor metadata."""
+    node = graph.call_function(target, args, kwargs)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    vals = [[x.meta["val"] if isinstance(x, fx.Node) else x for x in v] if isinstance(v, list) else v for v in vals]
+    tensors = [t for v in vals for t in (v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)]
+    # Factory calls (arange, full) have no tensor argument: take the graph's fake mode from its inputs.
+    fake = tensors[0] if tensors else next(n.meta["val"] for n in graph.nodes if n.op == "placeholder")
+    # In-place targets get their metadata from the out-of-place op, so the
+    # fake input is not marked as mutated while the graph is being built.
+    functional = {torch.ops.aten.index_put_.default: torch.ops.aten.index_put.default}.get(target, target)
+    with fake.fake_mode:
+        node.meta["val"] = functional(*vals, **kwargs)
+    return node

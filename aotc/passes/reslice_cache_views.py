@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from ..errors import TraceError
-from .base import GraphPass, alias_root, fake_val, is_inplace_op, source_line
+from .base import GraphPass, alias_root, fake_val, insert_call, is_inplace_op, source_line
 
 aten = torch.ops.aten
 
@@ -100,12 +100,7 @@ class _Rewriter:
 
     # -- graph building helpers ------------------------------------------------
     def call(self, target, *args, **kwargs) -> fx.Node:
-        node = self.graph.call_function(target, args, kwargs)
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-        vals = [[x.meta["val"] if isinstance(x, fx.Node) else x for x in v] if isinstance(v, list) else v for v in vals]
-        with self.base.fake_mode:
-            node.meta["val"] = _functional(target)(*vals, **kwargs)
-        return node
+        return insert_call(self.graph, target, *args, **kwargs)
 
     def arange(self, n: int, dim: int, ndim: int) -> fx.Node:
         """arange(n) shaped to broadcast along `dim` of an `ndim`-dim result."""
@@ -234,14 +229,6 @@ class _Rewriter:
             q = self.call(aten.floor_divide.default, flat, s) if s != 1 else flat
             out.append(self.call(aten.remainder.Scalar, q, n))
         return out
-
-
-def _functional(target):
-    # Metadata for a new in-place node comes from its out-of-place twin, so the
-    # fake root tensor is not marked as mutated while we build the graph.
-    if target is aten.index_put_.default:
-        return aten.index_put.default
-    return target
 
 
 def count_view_writes(gm: fx.GraphModule) -> int:

@@ -32,7 +32,11 @@ class Bundle:
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
-        backend = get_backend(manifest["backend"]["name"])
+        built = manifest["backend"]
+        backend = get_backend(built["name"], **built.get("flags", {}))
+        why = backend.incompatible(built)
+        if why:
+            raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
         runners = {}
         for entry in manifest["entries"]:
             for art in entry["artifacts"]:
@@ -45,6 +49,10 @@ class Bundle:
                         raise BundleError(f"{file}: sha256 differs from manifest.json; the file was changed or truncated, rebuild the bundle")
                 runners[(entry["id"], art["bucket"])] = backend.load(art_dir, list(art["files"]), art)
         return cls(path, manifest, runners, time.perf_counter() - t0)
+
+    @property
+    def device(self) -> str:
+        return self.manifest["backend"]["flags"].get("device", "cpu")
 
     @property
     def max_batch(self) -> int:
@@ -123,5 +131,11 @@ def _weight(instance: nn.Module, path: str, spec: dict, bundle: Path) -> torch.T
         raise BundleError(
             f"weight {path}.{name} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
             f"{spec['shape']} {spec['dtype']}; rebuild the bundle for these weights' shapes"
+        )
+    if "stride" in spec and list(t.stride()) != spec["stride"]:
+        # Compiled code indexes weights with the traced strides: other strides would run silently wrong.
+        raise BundleError(
+            f"weight {path}.{name} has strides {list(t.stride())}, but bundle {bundle} was built for "
+            f"{spec['stride']}; make it contiguous (tensor.contiguous()) before binding"
         )
     return t.detach()

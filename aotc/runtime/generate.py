@@ -72,13 +72,14 @@ def generate(
     check_lengths(prompts, max_new_tokens, max_seq)
     slots = slots or max_batch + 1
     eos = set(getattr(model.config, "eos_token_ids", ())) if stop_at_eos else set()
-    caches = model.allocate_caches(slots, max_seq)
+    device = next(model.parameters()).device
+    caches = model.allocate_caches(slots, max_seq, device)
     result = Generation([Sequence(list(p)) for p in prompts])
     t_start = time.perf_counter()
     for g in range(0, len(prompts), max_batch):
         group = result.sequences[g : g + max_batch]
         t0 = time.perf_counter()
-        logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids), i, caches) for i, s in enumerate(group)])
+        logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
         result.prefill_s += time.perf_counter() - t0
         result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
         done = _append(group, logits, eos, keep_logits, [False] * len(group))
@@ -88,8 +89,8 @@ def generate(
         for step in range(1, max_new_tokens):
             if all(done):
                 break
-            ids = torch.tensor([s.new_ids[-1] for s in group])
-            positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group])
+            ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
+            positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group], device=device)
             logits = model.decode(ids, positions, caches)  # [B, vocab]
             done = _append(group, logits, eos, keep_logits, done)
             result.decode_steps += 1

@@ -1,0 +1,122 @@
+"""AOTInductor: one compiled package per (entry, bucket), weights as inputs.
+
+The traced graph takes every parameter as a user input, so the shared object
+holds no weights: the runtime hands each layer's weights and cache slice to
+the one package of its class. Inductor turns the functional `index_put` +
+input mutation that export makes of the cache write back into an in-place
+scatter on the caller's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..errors import BackendError
+from ..trace import TracedGraph
+from .base import Backend, CompileResult, Runner, register_backend
+
+PACKAGE = "model.pt2"  # one name everywhere: the archive's inner folder is named after it
+SERIALIZATION_ID = ".data/serialization_id"
+# AOTInductor appends the gcc command lines (with this machine's temp paths) to
+# the sources it packages, on some code paths and not others.
+_TRAILER = re.compile(rb"\n// Compile cmd\n.*\Z", re.S)
+
+
+def cpu_target() -> str:
+    """What the CPU code is compiled for (-march=native): part of the cache key."""
+    import platform
+
+    return f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
+
+
+@register_backend
+class InductorBackend(Backend):
+    name = "inductor"
+
+    def __init__(self, device: str = "cpu"):
+        if device not in ("cpu", "cuda"):
+            raise BackendError(f"--device {device!r}: expected cpu or cuda")
+        self.device = device
+
+    def version(self) -> str:
+        return f"torch-{torch.__version__}-{self.target()}"
+
+    def target(self) -> str:
+        if self.device == "cuda":
+            major, minor = torch.cuda.get_device_capability()
+            return f"cuda-sm{major}{minor}-{torch.version.cuda}"
+        return cpu_target()
+
+    def unavailable(self) -> str | None:
+        if self.device == "cuda":
+            if not torch.cuda.is_available():
+                return "--device cuda needs a CUDA GPU and a CUDA build of torch; this machine has neither"
+            return None
+        if shutil.which("g++") is None and shutil.which("c++") is None:
+            return "AOTInductor compiles C++ and no g++ or c++ is on PATH; install one (e.g. apt install g++) or use --backend export"
+        return None
+
+    def flags(self) -> dict:
+        return {"device": self.device}
+
+    def pass_target(self) -> str | None:
+        return f"inductor-{self.device}"
+
+    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+        from torch._inductor import aoti_compile_and_package
+
+        with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
+            raw = Path(tmp) / PACKAGE
+            aoti_compile_and_package(graph.program, package_path=str(raw))
+            normalize_package(raw, out_dir / PACKAGE)
+        return CompileResult([PACKAGE], {"target": self.target()})
+
+    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+        # aoti_load_package() first probes the compiler for the CPU's vector ISA
+        # (about 0.9 s of subprocesses per process) only to log a warning on a
+        # mismatch; the bundle checks its target itself (Bundle.load). Remove
+        # this when the public loader stops probing.
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
+        boxed_run = loader.boxed_run
+
+        def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            # boxed_run takes ownership of the list it is given and skips the
+            # pytree flatten/unflatten of AOTICompiledModel.__call__.
+            return boxed_run(args)
+
+        return run
+
+
+def normalize_package(src: Path, dst: Path) -> None:
+    """Rewrite an AOTInductor package so the same graph always gives the same bytes.
+
+    Two things differ between compiles of one graph: a random serialization id
+    and a trailer of gcc command lines that some code paths append to the
+    packaged sources. The id becomes a digest of the other entries and the
+    trailer is dropped; the shared object and metadata are kept as they are.
+    """
+    with zipfile.ZipFile(src) as zin:
+        entries = []
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith(".cpp"):
+                data = _TRAILER.sub(b"\n", data)
+            entries.append((info.filename, data))
+    digest = hashlib.sha256()
+    for name, data in entries:
+        if not name.endswith(SERIALIZATION_ID):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    ident = str(int(digest.hexdigest(), 16) % 10**40).zfill(40).encode()
+    tmp = dst.with_name(dst.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zout:
+        for name, data in entries:
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            zout.writestr(info, ident if name.endswith(SERIALIZATION_ID) else data)
+    tmp.replace(dst)

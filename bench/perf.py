@@ -1,0 +1,310 @@
+"""aotc against what a user would pick instead, side by side in one run.
+
+    python bench/perf.py [--quick] [--out bench/results/perf.json]
+
+Sections (each a table, all in one JSON file):
+  decode     decode step latency per batch bucket: eager, aotc export, aotc
+             inductor, torch.compile of a gpt-fast style static-cache model
+  ttft       time to first token in a fresh process: aotc run from a built
+             bundle, the torch.compile baseline (cold and warm inductor cache), eager
+  build      build time at 2, 8, 32 layers of one layer shape: aotc versus
+             whole-model torch.compile and whole-model AOTInductor, and sizes
+  bandwidth  batch-1 decode of the ~100M model: weight bytes / step time
+             versus this machine's copy bandwidth measured in the same run
+  memory     peak RSS of a weight-free build of a 32-layer hidden-1024 model
+             versus loading its weights
+
+--quick runs the tiny model only, with fewer repeats and layer counts 2, 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gptfast import from_aotc  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from aotc.build import BuildOptions, build  # noqa: E402
+from aotc.format import write_json_atomic  # noqa: E402
+from aotc.models.base import load_model  # noqa: E402
+from aotc.models.tiny import write_tiny  # noqa: E402
+from aotc.runtime import Bundle  # noqa: E402
+
+console = Console()
+BUCKETS = (1, 2, 4, 8)
+MAX_SEQ = 256
+POSITION = 128  # decode steps are timed at this context position
+# ~100M parameters, fp32: 8 layers of hidden 1024, GQA 16/4, vocab 8192
+M100 = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=8192)
+
+
+def timeit(fn, *, min_time=0.5, repeats=5, best=False) -> float:
+    """Median (or best) seconds per call over `repeats` runs of about min_time/repeats each."""
+    fn()
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    n = max(1, int(min_time / repeats / once))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n)
+    return min(samples) if best else statistics.median(samples)
+
+
+def make_models(root: Path, quick: bool) -> dict[str, Path]:
+    models = {"tiny": write_tiny(root / "tiny")}
+    if not quick:
+        # The tokenizer has 512 tokens; the other vocab rows are unused ids, as in real models.
+        models["100m"] = write_tiny(root / "100m", layers=8, **M100)
+    return models
+
+
+def bundle_for(model_dir: Path, root: Path, backend: str, **kw) -> Path:
+    out = root / f"{model_dir.name}-{backend}"
+    build(BuildOptions(model_dir, out=out, backend=backend, max_seq=MAX_SEQ, **kw))
+    return out
+
+
+# -- decode --------------------------------------------------------------------
+
+
+def bench_decode(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    rows = []
+    for name, model_dir in models.items():
+        bundles = {b: Bundle.load(bundle_for(model_dir, root, b, batch_buckets=BUCKETS, chunk_buckets=(128,))) for b in ("export", "inductor")}
+        loaded = load_model(model_dir)
+        model = loaded.model
+        base = from_aotc(model)
+        for batch in BUCKETS:
+            ids = torch.randint(3, 500, (batch,), generator=torch.Generator().manual_seed(batch))
+            positions = torch.full((batch,), POSITION)
+            caches = model.allocate_caches(max(BUCKETS) + 1, MAX_SEQ)
+            times = {"eager": timeit(lambda: model.decode(ids, positions, caches), min_time=0.3 if quick else 1.0)}
+            expected = model.decode(ids, positions, caches)
+            for backend, bundle in bundles.items():
+                bundle.bind(model)
+                torch.testing.assert_close(model.decode(ids, positions, caches), expected, atol=1e-3, rtol=1e-3)
+                times[f"aotc {backend}"] = timeit(lambda: model.decode(ids, positions, caches), min_time=0.3 if quick else 1.0)
+                Bundle.unbind(model)
+            base.setup_caches(batch, MAX_SEQ)
+            step = torch.compile(base, fullgraph=True, dynamic=False)
+            pos = torch.tensor([POSITION])
+            with torch.no_grad():
+                torch.testing.assert_close(step(ids[:, None], pos)[:, 0], expected, atol=1e-3, rtol=1e-3)
+                times["torch.compile"] = timeit(lambda: step(ids[:, None], pos), min_time=0.3 if quick else 1.0)
+            torch._dynamo.reset()
+            row = {"model": name, "batch": batch, **{k: v * 1e3 for k, v in times.items()}}
+            row["inductor/eager"] = times["aotc inductor"] / times["eager"]
+            row["inductor/torch.compile"] = times["aotc inductor"] / times["torch.compile"]
+            rows.append(row)
+    results["decode"] = {"unit": "ms per decode step", "max_seq": MAX_SEQ, "position": POSITION, "rows": rows}
+    table("decode step (ms), max_seq %d, position %d" % (MAX_SEQ, POSITION), rows)
+
+
+# -- time to first token -----------------------------------------------------------
+
+
+def bench_ttft(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    model_dir = models["tiny"]
+    bundle = root / "tiny-inductor"
+    n = 100
+    probe = [sys.executable, str(HERE / "ttft.py")]
+    cache = root / "inductor-cache-ttft"
+    runs = {
+        "aotc run (bundle)": probe + ["aotc", str(bundle), str(model_dir), str(n)],
+        "torch.compile, cold cache": probe + ["compile", str(model_dir), str(n)],
+        "torch.compile, warm cache": probe + ["compile", str(model_dir), str(n)],
+        "eager": probe + ["eager", str(model_dir), str(n)],
+    }
+    rows, tokens = [], set()
+    for label, cmd in runs.items():
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+        wall = time.perf_counter() - t0
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        tokens.add(report["token"])
+        rows.append({"what": label, "process_s": wall, "in_script_s": report["seconds"]})
+    if len(tokens) != 1:
+        raise SystemExit(f"ttft: the runs disagree on the first token: {tokens}")
+    base = next(r["process_s"] for r in rows if r["what"] == "torch.compile, cold cache")
+    for r in rows:
+        r["vs torch.compile cold"] = r["process_s"] / base
+    results["ttft"] = {"prompt_tokens": n, "rows": rows}
+    table(f"time to first token in a fresh process (s), tiny model, {n}-token prompt", rows)
+
+
+# -- build time and size ---------------------------------------------------------
+
+
+_WHOLE = r"""
+import sys, time, json, torch
+sys.path.insert(0, sys.argv[1])
+from gptfast import from_aotc
+from aotc.models.base import load_model
+mode, model_dir, out = sys.argv[2], sys.argv[3], sys.argv[4]
+t0 = time.perf_counter()
+model = from_aotc(load_model(model_dir).model)
+model.setup_caches(1, %(max_seq)d)
+decode = (torch.randint(3, 500, (1, 1)), torch.tensor([0]))
+prefill = (torch.randint(3, 500, (1, 128)), torch.arange(128))
+size = 0
+with torch.no_grad():
+    if mode == "compile":
+        step = torch.compile(model, fullgraph=True, dynamic=False)
+        step(*decode); step(*prefill)
+    else:
+        import os
+        for name, args in (("decode", decode), ("prefill", prefill)):
+            ep = torch.export.export(model, args, strict=False)
+            path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{out}-{name}.pt2")
+            size += os.path.getsize(path)
+print(json.dumps({"seconds": time.perf_counter() - t0, "size": size}))
+""" % {"max_seq": MAX_SEQ}
+
+
+def bench_build(root: Path, results: dict, quick: bool) -> None:
+    rows = []
+    for layers in (2, 8) if quick else (2, 8, 32):
+        model_dir = write_tiny(root / f"build-{layers}", layers=layers)
+        row = {"layers": layers}
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / f"inductor-cache-build-{layers}"))
+        t0 = time.perf_counter()
+        out = root / f"build-{layers}-bundle"
+        subprocess.run(
+            [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "inductor", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(out)],
+            env=env, check=True, capture_output=True,
+        )
+        row["aotc s"] = time.perf_counter() - t0
+        row["aotc bundle MB"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
+        for mode, label in (("compile", "torch.compile"), ("aoti", "whole-model AOTI")):
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / f"inductor-cache-{mode}-{layers}"))
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _WHOLE, str(HERE), mode, str(model_dir), str(root / f"whole-{layers}")], env=env, check=True, capture_output=True, text=True)
+            row[f"{label} s"] = time.perf_counter() - t0
+            if mode == "aoti":
+                row["whole-model AOTI MB"] = json.loads(proc.stdout.strip().splitlines()[-1])["size"] / 1e6
+        rows.append(row)
+        console.print(f"  build, {layers} layers: {row}", highlight=False)
+    first = rows[0]
+    for r in rows:
+        r["aotc vs 2 layers"] = r["aotc s"] / first["aotc s"]
+    results["build"] = {"graphs": "decode b1 + prefill 128 (+ head b1 for aotc)", "cold inductor cache each": True, "rows": rows}
+    table("build time (s, fresh process, cold inductor cache) and size (MB)", rows)
+
+
+# -- bandwidth -------------------------------------------------------------------
+
+
+def copy_bandwidth(nbytes: int = 1 << 29) -> float:
+    """STREAM-copy convention: (bytes read + bytes written) / seconds, best of 10 runs."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timeit(lambda: dst.copy_(src), min_time=3.0, repeats=10, best=True)
+
+
+def bench_bandwidth(models: dict[str, Path], results: dict) -> None:
+    name = "100m" if "100m" in models else "tiny"
+    model = load_model(models[name]).model
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("model.embed_tokens"))
+    step = next(r for r in results["decode"]["rows"] if r["model"] == name and r["batch"] == 1)
+    rows = []
+    copy = copy_bandwidth()
+    for what in ("eager", "aotc inductor", "torch.compile"):
+        achieved = weight_bytes / (step[what] / 1e3)
+        rows.append({"what": what, "step ms": step[what], "GB/s": achieved / 1e9, "of copy bandwidth": achieved / copy})
+    rows.append({"what": "memory copy", "GB/s": copy / 1e9, "of copy bandwidth": 1.0})
+    results["bandwidth"] = {"model": name, "weight_bytes": weight_bytes, "copy_GBps": copy / 1e9, "rows": rows}
+    table(f"batch-1 decode weight bandwidth, {name} model ({weight_bytes / 1e6:.0f} MB of weights per step)", rows)
+
+
+# -- memory ----------------------------------------------------------------------
+
+_RSS = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+
+
+def bench_memory(root: Path, results: dict) -> None:
+    model_dir = write_tiny(root / "mem-32x1024", layers=32, **M100)
+    weights = (model_dir / "model.safetensors").stat().st_size
+    rows = []
+    cmds = {
+        "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(root / "mem-bundle")],
+        "load weights (eager model)": [sys.executable, "-c", f"from aotc.models.base import load_model; load_model({str(model_dir)!r})"],
+    }
+    for label, cmd in cmds.items():
+        out = subprocess.run([sys.executable, "-c", _RSS, *cmd], check=True, capture_output=True, text=True)
+        rss = int(out.stdout.strip()) * 1024
+        rows.append({"what": label, "peak RSS MB": rss / 1e6, "of weight bytes": rss / weights})
+    results["memory"] = {"layers": 32, "hidden": 1024, "weight_MB": weights / 1e6, "rows": rows}
+    table(f"peak RSS, 32 layers x hidden 1024 ({weights / 1e6:.0f} MB of weights)", rows)
+
+
+# -- output ----------------------------------------------------------------------
+
+
+def table(title: str, rows: list[dict]) -> None:
+    t = Table(title=title)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "what") else "right")
+    for r in rows:
+        t.add_row(*[_fmt(r.get(c, "")) for c in cols])
+    console.print(t)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    results = {
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with tempfile.TemporaryDirectory(prefix="aotc-bench-") as tmp:
+        root = Path(tmp)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
+        models = make_models(root, args.quick)
+        if "decode" in sections:
+            bench_decode(models, root, results, args.quick)
+        if "ttft" in sections:
+            bench_ttft(models, root, results, args.quick)
+        if "build" in sections:
+            bench_build(root, results, args.quick)
+        if "bandwidth" in sections and "decode" in sections:
+            bench_bandwidth(models, results)
+        if "memory" in sections and not args.quick:
+            bench_memory(root, results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, results)
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The inductor backend: AOTInductor packages with weights as inputs.
+
+The default run compiles one small bundle twice (jobs 2, then jobs 1): about
+a minute. The qwen2 and mistral builds are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aotc.backends.inductor import InductorBackend
+from aotc.build import BuildOptions, build, default_backend
+from aotc.cli import app
+from aotc.errors import BundleError
+from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
+from aotc.runtime import Bundle, generate
+
+pytestmark = pytest.mark.skipif(InductorBackend().unavailable() is not None, reason="no C++ compiler for AOTInductor")
+
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=96, backend="inductor")
+
+
+@pytest.fixture(scope="module")
+def inductor_bundles(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inductor")
+    parallel = build(BuildOptions(tiny_dir, out=root / "j2", jobs=2, **OPTIONS))
+    serial = build(BuildOptions(tiny_dir, out=root / "j1", jobs=1, **OPTIONS))
+    return parallel, serial
+
+
+def files(result):
+    return {(e["id"], a["bucket"]): a["files"] for e in result.manifest["entries"] for a in e["artifacts"]}
+
+
+def test_parallel_build_is_identical_to_serial(inductor_bundles):
+    parallel, serial = inductor_bundles
+    assert parallel.jobs == 2 and serial.jobs == 1
+    assert files(parallel) == files(serial)
+    assert sorted(p.relative_to(parallel.out) for p in parallel.out.rglob("*")) == sorted(p.relative_to(serial.out) for p in serial.out.rglob("*"))
+    assert len(files(parallel)) == 5
+    assert all(list(f) == ["model.pt2"] for f in files(parallel).values())
+
+
+def test_packages_hold_no_weights(inductor_bundles):
+    """Every parameter is a runtime input: no package has constants baked in."""
+    bundle = inductor_bundles[0]
+    for entry in bundle.manifest["entries"]:
+        for art in entry["artifacts"]:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(bundle.out / art["dir"] / "model.pt2"), "model", True, 1, -1)
+            assert loader.get_constant_fqns() == []
+            in_spec = torch.utils._pytree.treespec_loads(loader.get_call_spec()[0])
+            assert in_spec.num_leaves == len(entry["weights"]) + len(art["inputs"])
+
+
+@pytest.mark.parametrize("lengths", [(7,), (5, 40, 21)])
+def test_generation_token_exact(inductor_bundles, tiny_dir, lengths):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(inductor_bundles[0].out)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    bundle.bind(loaded.model)
+    compiled = generate(loaded.model, prompts, 12, **kw)
+    Bundle.unbind(loaded.model)
+    eager = generate(loaded.model, prompts, 12, **kw)
+    for c, e in zip(compiled.sequences, eager.sequences):
+        assert c.new_ids == e.new_ids
+        torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_cache_is_written_in_place_and_padding_goes_to_scratch(inductor_bundles, tiny_dir):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(inductor_bundles[0].out)
+    bundle.bind(loaded.model)
+    model = loaded.model
+    caches = {k: v.fill_(7.0) for k, v in model.allocate_caches(bundle.cache_slots, bundle.max_seq).items()}  # slots 0, 1, scratch 2
+    model.prefill(torch.arange(3, 20), 0, caches)  # 17 tokens: chunks of 16 + 1 padded
+    assert not caches["k"][:, 0, :, :17].eq(7.0).any()  # the caller's cache was updated
+    assert caches["k"][:, 1].eq(7.0).all()  # the other sequence's slot untouched
+    assert not caches["k"][:, 2].eq(7.0).all()  # padding tokens wrote the scratch slot
+
+
+def test_cache_with_other_strides_is_an_error(inductor_bundles, tiny_dir):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(inductor_bundles[0].out)
+    bundle.bind(loaded.model)
+    model, layer = loaded.model, loaded.model.model.layers[0]
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    positions = torch.tensor([4])
+    cos, sin = model.rope(positions)
+    wide = torch.zeros(bundle.cache_slots, 2, bundle.max_seq, 2 * 64)[..., :64]  # a non-contiguous slice, right shape
+    with pytest.raises(BundleError, match=r"cache 'k_cache' has shape \[3, 2, 96, 64\] strides \[24576, 12288, 128, 1\]"):
+        layer.decode(torch.zeros(1, 256), cos, sin, positions, positions, wide, caches["v"][0])
+
+
+def test_weight_with_other_strides_is_an_error(inductor_bundles, tiny_dir):
+    loaded = load_model(tiny_dir)
+    up = loaded.model.model.layers[1].mlp.up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach().t().contiguous().t())  # same shape and values, column-major
+    with pytest.raises(BundleError, match=r"weight model.layers.1.mlp.up_proj.weight has strides \[1, 688\]"):
+        Bundle.load(inductor_bundles[0].out).bind(loaded.model)
+
+
+def test_bundle_runs_with_new_weights(inductor_bundles, tiny_dir, tmp_path):
+    """Weights are not in the bundle: a checkpoint with other values runs, token-exact."""
+    new = write_tiny(tmp_path / "retrained", layers=2, seed=123)
+    runner = CliRunner()
+    args = ["run", str(inductor_bundles[0].out), "--max-new-tokens", "8", "--check", "--json", "--prompt", "Hello"]
+    old = json.loads(runner.invoke(app, args).output)
+    result = runner.invoke(app, args + ["--model", str(new)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["check"]["tokens_equal"]
+    assert report["prompts"][0]["new_ids"] != old["prompts"][0]["new_ids"]
+
+
+def test_incompatible_target_is_refused(inductor_bundles, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(inductor_bundles[0].out, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["backend"]["version"] = "torch-0.0-riscv64-DEFAULT"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"cannot run here: built with inductor torch-0.0-riscv64-DEFAULT"):
+        Bundle.load(copy)
+
+
+def test_default_backend_falls_back_to_export_without_a_compiler(monkeypatch):
+    assert default_backend() == ("inductor", None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    backend, why = default_backend()
+    assert backend == "export" and "no g++ or c++ is on PATH" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_token_exact(arch, tmp_path):
+    model = write_tiny(tmp_path / arch, arch=arch, layers=2)
+    out = tmp_path / "bundle"
+    runner = CliRunner()
+    r = runner.invoke(app, ["build", str(model), "--backend", "inductor", "--buckets", "1,4", "--prefill-chunk", "32", "--max-seq", "512", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    for max_batch in ("1", "3"):
+        r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-batch", max_batch, "--max-new-tokens", "16"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["check"]["tokens_equal"]
