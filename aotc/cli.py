@@ -54,34 +54,60 @@ def init_tiny(
     console.print(f"wrote {arch} model with {layers} layers to {path}")
 
 
+def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, **more):
+    from .build import BuildOptions, default_backend, parse_buckets, parse_flags
+
+    if backend is None:
+        backend, why = default_backend()
+        if why:
+            err_console.print(f"[yellow]using the export backend:[/] inductor is unavailable: {why}", highlight=False)
+    return BuildOptions(
+        model_dir,
+        batch_buckets=parse_buckets(buckets, "--buckets"),
+        chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
+        max_seq=max_seq,
+        backend=backend,
+        device=device,
+        compiler_flags=parse_flags(compiler_flag, "--compiler-flag"),
+        **more,
+    )
+
+
+MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors).")
+BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
+PREFILL_CHUNK = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated.")
+MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
+BACKEND = typer.Option(None, "--backend", help="export | inductor (default: inductor where a C++ compiler is present, else export).")
+DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
+COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name).")
+CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
+
+
 @app.command()
 def build(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors)."),
-    buckets: str = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated."),
-    prefill_chunk: str = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated."),
-    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024))."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="export | inductor (default: inductor where a C++ compiler is present, else export)."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs."),
+    model_dir: Path = MODEL_DIR,
+    buckets: str = BUCKETS,
+    prefill_chunk: str = PREFILL_CHUNK,
+    max_seq: Optional[int] = MAX_SEQ,
+    backend: Optional[str] = BACKEND,
+    device: str = DEVICE,
+    compiler_flag: list[str] = COMPILER_FLAG,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>)."),
+    cache_dir: Optional[Path] = CACHE_DIR,
+    no_cache: bool = typer.Option(False, "--no-cache", help="Compile everything; neither read nor fill the compile cache."),
+    require_cache: bool = typer.Option(False, "--require-cache", help="Fail, naming them, if any artifact is not cached (deploy jobs)."),
+    remote_cache: Optional[str] = typer.Option(None, "--remote-cache", help="s3://bucket/prefix: read-through, write-back remote cache."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: compile only this shard's artifacts into the cache; no bundle."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
-    from .build import BuildOptions, build as run_build, default_backend, parse_buckets
+    from .build import build as run_build, parse_shard
 
     try:
-        if backend is None:
-            backend, why = default_backend()
-            if why:
-                err_console.print(f"[yellow]using the export backend:[/] inductor is unavailable: {why}", highlight=False)
-        options = BuildOptions(
-            model_dir,
-            out=out,
-            batch_buckets=parse_buckets(buckets, "--buckets"),
-            chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
-            max_seq=max_seq,
-            backend=backend,
-            device=device,
-            jobs=jobs,
+        options = _build_options(
+            model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag,
+            out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
+            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -96,17 +122,88 @@ def build(
             result = run_build(options, progress=report)
     except AotcError as e:
         _fail(e)
-    table = Table(title=f"{result.out}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
-    for col in ("entry", "bucket", "seconds", "size"):
-        table.add_column(col, justify="left" if col == "entry" else "right")
+    where = result.out if result.out else f"cache {result.cache_dir} (shard {shard})"
+    table = Table(title=f"{where}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
+    for col in ("entry", "bucket", "from", "seconds", "size"):
+        table.add_column(col, justify="left" if col in ("entry", "from") else "right")
     for a in result.artifacts:
-        table.add_row(a.entry_id, str(a.bucket), f"{a.seconds:.2f}", _size(a.size))
+        table.add_row(a.entry_id, str(a.bucket), a.source, f"{a.seconds:.2f}", _size(a.size))
     console.print(table)
-    layers = sum(len(v.instances) for v in result.variants)
-    console.print(
-        f"traced {result.graphs_traced} graphs for {len(result.variants)} entries serving {layers} module instances "
-        f"in {result.seconds:.1f} s -> {result.out}"
-    )
+    if result.graphs_traced:
+        layers = sum(len(v.instances) for v in result.variants)
+        console.print(
+            f"traced {result.graphs_traced} graphs for {len(result.variants)} entries serving {layers} module instances "
+            f"in {result.seconds:.1f} s -> {where}"
+        )
+    else:
+        console.print(f"assembled {len(result.artifacts)} cached artifacts without tracing in {result.seconds:.1f} s -> {where}")
+    if result.cache_dir:
+        line = f"cache: {result.count('cache')} hits, {result.count('compiled')} misses compiled"
+        if remote_cache:
+            line += f", {result.count('remote')} from {remote_cache}"
+        console.print(line + f" ({result.cache_dir})")
+    if result.remote_errors:
+        console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {result.remote_errors[0]}", highlight=False)
+
+
+cache_app = typer.Typer(help="The compile cache.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("key")
+def cache_key_command(
+    model_dir: Path = MODEL_DIR,
+    buckets: str = BUCKETS,
+    prefill_chunk: str = PREFILL_CHUNK,
+    max_seq: Optional[int] = MAX_SEQ,
+    backend: Optional[str] = BACKEND,
+    device: str = DEVICE,
+    compiler_flag: list[str] = COMPILER_FLAG,
+):
+    """Print one key for a whole build, without compiling (a CI cache key)."""
+    from .build import build_key
+
+    try:
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag)))
+    except AotcError as e:
+        _fail(e)
+
+
+@cache_app.command("ls")
+def cache_ls(cache_dir: Optional[Path] = CACHE_DIR):
+    """List the cached artifacts."""
+    import datetime
+
+    from .cache import RECORD, LocalCache
+
+    cache = LocalCache(cache_dir)
+    table = Table(title=str(cache.root))
+    for col in ("key", "inputs", "outputs", "files", "size", "last used"):
+        table.add_column(col)
+    total = 0
+    for e in sorted(cache.entries(), key=lambda e: -(e.dir / RECORD).stat().st_mtime):
+        size = e.size
+        total += size
+        used = datetime.datetime.fromtimestamp((e.dir / RECORD).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        outs = " ".join("x".join(map(str, o["shape"])) for o in e.record.get("outputs", []))
+        table.add_row(e.key[:16], str(len(e.record.get("inputs", []))), outs, ", ".join(e.record["files"]), _size(size), used)
+    console.print(table)
+    console.print(f"{len(table.rows)} entries, {_size(total)}")
+
+
+@cache_app.command("prune")
+def cache_prune(
+    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much (e.g. 2G, 500M, 0), dropping least recently used first."),
+    cache_dir: Optional[Path] = CACHE_DIR,
+):
+    """Shrink the cache to a size, and remove what dead builds left behind."""
+    from .cache import LocalCache, parse_size
+
+    try:
+        removed, freed = LocalCache(cache_dir).prune(parse_size(max_size))
+    except AotcError as e:
+        _fail(e)
+    console.print(f"removed {removed} entries, freed {_size(freed)}")
 
 
 @app.command()

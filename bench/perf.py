@@ -247,7 +247,8 @@ def bench_memory(root: Path, results: dict) -> None:
     rows = []
     cmds = {
         "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(root / "mem-bundle")],
-        "load weights (eager model)": [sys.executable, "-c", f"from aotc.models.base import load_model; load_model({str(model_dir)!r})"],
+        "floor: python + import torch, aotc": [sys.executable, "-c", "import torch, aotc.build"],
+        "eager model, weights in memory": [sys.executable, "-c", f"from aotc.models.base import load_model; m = load_model({str(model_dir)!r}).model; [p.sum() for p in m.parameters()]"],
     }
     for label, cmd in cmds.items():
         out = subprocess.run([sys.executable, "-c", _RSS, *cmd], check=True, capture_output=True, text=True)

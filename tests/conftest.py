@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from aotc.build import BuildOptions, build
 from aotc.models.tiny import write_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_compile_cache(tmp_path_factory):
+    """Builds in tests use a compile cache of their own, never the user's ~/.cache/aotc."""
+    os.environ["AOTC_CACHE_DIR"] = str(tmp_path_factory.mktemp("aotc-cache"))
 
 
 @pytest.fixture(scope="session")

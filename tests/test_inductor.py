@@ -29,8 +29,9 @@ OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=96, backend="i
 @pytest.fixture(scope="module")
 def inductor_bundles(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("inductor")
-    parallel = build(BuildOptions(tiny_dir, out=root / "j2", jobs=2, **OPTIONS))
-    serial = build(BuildOptions(tiny_dir, out=root / "j1", jobs=1, **OPTIONS))
+    # No compile cache: both builds really compile every artifact.
+    parallel = build(BuildOptions(tiny_dir, out=root / "j2", jobs=2, use_cache=False, **OPTIONS))
+    serial = build(BuildOptions(tiny_dir, out=root / "j1", jobs=1, use_cache=False, **OPTIONS))
     return parallel, serial
 
 
@@ -41,6 +42,7 @@ def files(result):
 def test_parallel_build_is_identical_to_serial(inductor_bundles):
     parallel, serial = inductor_bundles
     assert parallel.jobs == 2 and serial.jobs == 1
+    assert parallel.count("uncached") == serial.count("uncached") == 5
     assert files(parallel) == files(serial)
     assert sorted(p.relative_to(parallel.out) for p in parallel.out.rglob("*")) == sorted(p.relative_to(serial.out) for p in serial.out.rglob("*"))
     assert len(files(parallel)) == 5

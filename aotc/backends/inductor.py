@@ -40,10 +40,18 @@ def cpu_target() -> str:
 class InductorBackend(Backend):
     name = "inductor"
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", config: dict | None = None):
         if device not in ("cpu", "cuda"):
             raise BackendError(f"--device {device!r}: expected cpu or cuda")
         self.device = device
+        self.config = dict(sorted((config or {}).items()))  # Inductor configs, e.g. {"cpp.simdlen": 256}
+        if self.config:
+            import torch._inductor.config as inductor_config
+
+            known = inductor_config.get_config_copy()
+            for key in self.config:
+                if key not in known:
+                    raise BackendError(f"--compiler-flag {key}: Inductor has no such config (see torch._inductor.config)")
 
     def version(self) -> str:
         return f"torch-{torch.__version__}-{self.target()}"
@@ -64,7 +72,7 @@ class InductorBackend(Backend):
         return None
 
     def flags(self) -> dict:
-        return {"device": self.device}
+        return {"device": self.device, "config": self.config}
 
     def pass_target(self) -> str | None:
         return f"inductor-{self.device}"
@@ -74,7 +82,7 @@ class InductorBackend(Backend):
 
         with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
             raw = Path(tmp) / PACKAGE
-            aoti_compile_and_package(graph.program, package_path=str(raw))
+            aoti_compile_and_package(graph.program, package_path=str(raw), inductor_configs=dict(self.config))
             normalize_package(raw, out_dir / PACKAGE)
         return CompileResult([PACKAGE], {"target": self.target()})
 

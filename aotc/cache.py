@@ -1,0 +1,152 @@
+"""The content-addressed compile cache: one folder per cache key.
+
+    <root>/entries/<key[:2]>/<key>/   the artifact's files + record.json
+    <root>/tmp/                         compiles in progress (never served)
+    <root>/locks/<key>.lock             one lock per key (filelock)
+
+An entry is compiled in a temporary folder and renamed into place under the
+key's lock, so a reader sees a whole entry or none, two builds compile a key
+once, and a build killed mid-compile leaves only a temporary folder that
+nothing serves. Every file's sha256 is checked each time an entry is served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+from .errors import AotcError
+from .format import sha256_file, write_json_atomic
+
+ENV = "AOTC_CACHE_DIR"
+RECORD = "record.json"
+
+
+class CacheError(AotcError):
+    """A cache entry is corrupt, or a required entry is missing."""
+
+
+def default_root() -> Path:
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "aotc"
+
+
+@dataclass
+class Entry:
+    key: str
+    dir: Path
+    record: dict
+
+    @property
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.dir.iterdir() if f.is_file())
+
+
+class LocalCache:
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root else default_root()
+
+    def path(self, key: str) -> Path:
+        return self.root / "entries" / key[:2] / key
+
+    def lock(self, key: str) -> FileLock:
+        (self.root / "locks").mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / "locks" / f"{key}.lock"))
+
+    def has(self, key: str) -> bool:
+        """Whether an entry is published for `key` (unverified: get() checks the files)."""
+        return (self.path(key) / RECORD).is_file()
+
+    def get(self, key: str) -> Entry | None:
+        """The verified entry for `key`, or None. A corrupt entry is an error naming the file."""
+        path = self.path(key)
+        record_file = path / RECORD
+        if not record_file.is_file():
+            return None
+        record = json.loads(record_file.read_text())
+        for name, digest in record["files"].items():
+            file = path / name
+            if not file.is_file() or sha256_file(file) != digest:
+                raise CacheError(
+                    f"{file}: sha256 differs from its cache record (changed or truncated); "
+                    f"delete {path} (or run `aotc cache prune --max-size 0`) and build again"
+                )
+        os.utime(record_file)  # last use, for `aotc cache prune`
+        return Entry(key, path, record)
+
+    def put(self, key: str, make: Callable[[Path], dict | None]) -> Entry | None:
+        """Run make(tmp_dir) -> record (with "files": {name: sha256}) and publish it as `key`.
+
+        The caller holds the key's lock. Only a complete, verified folder is
+        renamed into place; if make returns None, nothing is published.
+        """
+        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self.root / "tmp"))
+        try:
+            record = make(tmp)
+            if record is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return None
+            for name, digest in record["files"].items():
+                if sha256_file(tmp / name) != digest:
+                    raise CacheError(f"{tmp / name}: changed while being written to the cache")
+            write_json_atomic(tmp / RECORD, record)
+            dest = self.path(key)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.exists():  # a corrupt entry the caller decided to replace
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return Entry(key, dest, record)
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for record_file in sorted((self.root / "entries").glob("*/*/" + RECORD)):
+            try:
+                out.append(Entry(record_file.parent.name, record_file.parent, json.loads(record_file.read_text())))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
+
+    def prune(self, max_size: int) -> tuple[int, int]:
+        """Delete least recently used entries until the cache holds at most max_size
+        bytes, and leftover temporary folders. Returns (entries removed, bytes freed)."""
+        removed = freed = 0
+        for tmp in (self.root / "tmp").glob("*") if (self.root / "tmp").is_dir() else []:
+            with_age = time.time() - tmp.stat().st_mtime
+            if with_age > 3600:  # an hour: no compile takes that long; this one's build died
+                freed += sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+                shutil.rmtree(tmp, ignore_errors=True)
+        entries = sorted(self.entries(), key=lambda e: (e.dir / RECORD).stat().st_mtime)
+        total = sum(e.size for e in entries)
+        for e in entries:
+            if total <= max_size:
+                break
+            with self.lock(e.key):
+                size = e.size
+                shutil.rmtree(e.dir, ignore_errors=True)
+            total -= size
+            freed += size
+            removed += 1
+        return removed, freed
+
+
+def parse_size(text: str) -> int:
+    """'500M', '2G', '1.5GB', '100k', '0' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
+    if not match:
+        raise AotcError(f"--max-size {text!r}: expected a size such as 500M, 2G or 0")
+    return int(float(match[1]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match[2]])

@@ -1,0 +1,246 @@
+"""The compile cache: keys, hits and misses, faults, concurrency, CLI, remote, shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aotc.backends.export import ExportBackend
+from aotc.backends.inductor import InductorBackend
+from aotc.build import BuildOptions, build, build_keys
+from aotc.cache import CacheError, LocalCache
+from aotc.cli import app
+from aotc.models.tiny import write_tiny
+
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def keys(model, **changes):
+    return {(e, b): k for e, b, k in build_keys(BuildOptions(model, **{**OPTIONS, **changes}))}
+
+
+@pytest.fixture(scope="module")
+def base_keys(tiny_dir):
+    return keys(tiny_dir)
+
+
+def test_weights_and_paths_do_not_change_keys(tiny_dir, base_keys, tmp_path):
+    retrained = write_tiny(tmp_path / "elsewhere" / "retrained", layers=2, seed=99)
+    assert (retrained / "model.safetensors").read_bytes() != (tiny_dir / "model.safetensors").read_bytes()
+    assert keys(retrained) == base_keys  # other weight values, other folder
+
+
+def test_shapes_buckets_flags_and_versions_change_keys(tiny_dir, base_keys, tmp_path, monkeypatch):
+    wider = write_tiny(tmp_path / "wider", layers=2, intermediate_size=704)
+    changed = keys(wider)
+    assert changed[("LlamaDecoderLayer.decode", 1)] != base_keys[("LlamaDecoderLayer.decode", 1)]
+    assert changed[("LMHead.forward", 1)] == base_keys[("LMHead.forward", 1)]  # the head's shapes did not change
+
+    rebucketed = keys(tiny_dir, chunk_buckets=(16, 32))
+    assert rebucketed[("LlamaDecoderLayer.prefill", 16)] == base_keys[("LlamaDecoderLayer.prefill", 16)]
+    assert rebucketed[("LlamaDecoderLayer.prefill", 32)] not in base_keys.values()
+    # A larger batch bucket also grows the cache pool (slots), so every layer graph changes.
+    assert keys(tiny_dir, batch_buckets=(1, 4))[("LlamaDecoderLayer.decode", 1)] != base_keys[("LlamaDecoderLayer.decode", 1)]
+
+    plain = keys(tiny_dir, backend="inductor")
+    flagged = keys(tiny_dir, backend="inductor", compiler_flags={"cpp.simdlen": 256})
+    assert set(plain.values()).isdisjoint(flagged.values())
+
+    monkeypatch.setattr(ExportBackend, "version", lambda self: "torch-0.0-other")
+    assert set(keys(tiny_dir).values()).isdisjoint(base_keys.values())
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert set(keys(tiny_dir).values()).isdisjoint(base_keys.values())
+
+
+def test_second_build_hits_and_output_folder_does_not_matter(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    assert (first.count("compiled"), first.count("cache")) == (5, 0)
+    second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+    assert (second.count("compiled"), second.count("cache")) == (0, 5)
+    assert second.graphs_traced == 0  # assembled from the recipe: nothing traced
+    a = {e["id"]: [x["files"] for x in e["artifacts"]] for e in first.manifest["entries"]}
+    b = {e["id"]: [x["files"] for x in e["artifacts"]] for e in second.manifest["entries"]}
+    assert a == b
+    # Without the recipe, the keys alone still hit.
+    shutil.rmtree(cache / "builds")
+    third = build(BuildOptions(tiny_dir, out=tmp_path / "c", cache_dir=cache, **OPTIONS))
+    assert (third.count("compiled"), third.count("cache"), third.graphs_traced) == (0, 5, 5)
+
+
+def test_corrupt_cache_entry_is_refused_naming_the_file(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    victim = next((cache / "entries").rglob("program.pt2"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    shutil.rmtree(cache / "builds")
+    with pytest.raises(CacheError, match=rf"{re.escape(str(victim))}: sha256 differs"):
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+
+
+def aotc(*args, env=None, check=True):
+    return subprocess.run([sys.executable, "-m", "aotc.cli", *map(str, args)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", **(env or {})}, check=check)
+
+
+def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
+    procs = [subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args), "-o", tmp_path / f"b{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    compiled = [int(re.search(r"(\d+) misses compiled", out).group(1)) for out, _ in outs]
+    assert sum(compiled) == 10  # 4 decode + 2 prefill + 4 head, each compiled by one of the two
+    assert len(LocalCache(cache).entries()) == 10
+
+
+@pytest.mark.skipif(InductorBackend().unavailable() is not None, reason="no C++ compiler for AOTInductor")
+def test_build_killed_mid_compile_leaves_nothing_served(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["build", tiny_dir, "--backend", "inductor", "--jobs", "1", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", cache, "-o", tmp_path / "bundle"]
+    proc = subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any((cache / "tmp").glob("*")):  # a compile has started
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the compile (seconds long)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any((cache / "tmp").glob("*")), "the kill was supposed to land mid-compile"
+    assert not (tmp_path / "bundle").exists()  # no half-written bundle either
+    assert not any(tmp_path.glob(".bundle.tmp-*/manifest.json"))
+    # Nothing the killed compile wrote is served: a cache-only build finds it missing.
+    r = aotc(*args, "--require-cache", check=False)
+    assert r.returncode == 2 and "are not in the cache" in r.stderr
+    for entry in LocalCache(cache).entries():  # whatever was published is complete and verified
+        assert LocalCache(cache).get(entry.key) is not None
+
+
+def test_cache_cli_key_ls_prune_and_require_cache(tiny_dir, tmp_path):
+    runner = CliRunner()
+    cache = tmp_path / "cache"
+    common = [str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64"]
+    key = runner.invoke(app, ["cache", "key", *common]).output.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert runner.invoke(app, ["cache", "key", *common]).output.strip() == key
+    assert runner.invoke(app, ["cache", "key", *common[:-2], "--max-seq", "128"]).output.strip() != key
+
+    r = runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "--require-cache", "-o", str(tmp_path / "b")])
+    assert r.exit_code == 2
+    assert "--require-cache: 5 of 5 artifacts are not in the cache" in " ".join(r.output.split())
+    assert "LlamaDecoderLayer.decode bucket 1" in r.output
+
+    assert runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "-o", str(tmp_path / "b")]).exit_code == 0
+    r = runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "--require-cache", "-o", str(tmp_path / "c")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "5 hits, 0 misses" in r.output
+
+    r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache)], env={"COLUMNS": "200"})
+    assert "5 entries" in r.output and "program.pt2" in r.output
+    r = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)])
+    assert r.exit_code == 0 and "removed 5 entries" in r.output
+    assert LocalCache(cache).entries() == []
+    assert runner.invoke(app, ["cache", "prune", "--max-size", "lots", "--cache-dir", str(cache)]).exit_code == 2
+
+
+def test_prune_keeps_the_most_recently_used(tiny_dir, tmp_path):
+    cache = LocalCache(tmp_path / "cache")
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache.root, **OPTIONS))
+    entries = sorted(cache.entries(), key=lambda e: e.size)
+    now = time.time()
+    for i, e in enumerate(entries):
+        os.utime(e.dir / "record.json", (now - 1000 + i, now - 1000 + i))
+    keep = entries[-1]
+    removed, _ = cache.prune(keep.size)
+    assert removed == len(entries) - 1 and [e.key for e in cache.entries()] == [keep.key]
+
+
+# -- remote cache on a real S3-compatible server, on loopback ---------------------
+
+
+@pytest.fixture()
+def s3(monkeypatch):
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] provides the local S3 server (test extra)")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    boto3.client("s3").create_bucket(Bucket="aotc")
+    yield env
+    server.stop()
+
+
+def test_remote_write_back_then_read_through(tiny_dir, tmp_path, s3):
+    first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c1", remote_cache="s3://aotc/ci", **OPTIONS))
+    assert first.count("compiled") == 5 and not first.remote_errors
+    second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=tmp_path / "c2", remote_cache="s3://aotc/ci", **OPTIONS))
+    assert second.count("remote") == 5 and second.count("compiled") == 0
+    assert len(LocalCache(tmp_path / "c2").entries()) == 5  # verified copies in the local cache
+
+
+def test_remote_that_is_down_never_fails_the_build(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(k, "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c", remote_cache="s3://aotc/ci", **OPTIONS))
+    assert result.count("compiled") == 5 and result.remote_errors
+    assert len(LocalCache(tmp_path / "c").entries()) == 5
+
+
+def test_remote_refusing_writes_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3):
+    runner = CliRunner()
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "c"), "--remote-cache", "s3://no-such-bucket/x", "-o", str(tmp_path / "a")], env={"COLUMNS": "200", **s3})
+    assert r.exit_code == 0, r.output
+    assert "remote cache unavailable, build went on without it" in r.output and "NoSuchBucket" in r.output
+    cache = LocalCache(tmp_path / "c")
+    assert len(cache.entries()) == 5 and all(cache.get(e.key) for e in cache.entries())
+
+
+# -- sharded builds, and the CI workflow's commands ----------------------------------
+
+
+def test_shards_then_assemble_from_hits_alone(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    shards = [build(BuildOptions(tiny_dir, out=tmp_path / "unused", cache_dir=cache, shard=(i, 2), **OPTIONS)) for i in (1, 2)]
+    assert [s.out for s in shards] == [None, None] and not (tmp_path / "unused").exists()
+    mine = [{(a.entry_id, a.bucket) for a in s.artifacts} for s in shards]
+    assert mine[0].isdisjoint(mine[1]) and len(mine[0] | mine[1]) == 5
+    assert abs(len(mine[0]) - len(mine[1])) <= 1
+    final = build(BuildOptions(tiny_dir, out=tmp_path / "bundle", cache_dir=cache, require_cache=True, **OPTIONS))
+    assert final.count("cache") == 5 and final.count("compiled") == 0
+
+
+def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
+    """docs/ci/github-actions.yml runs docs/ci/aotc-ci.sh; run it the same way: key, 2 shards, assemble."""
+    script = ROOT / "docs" / "ci" / "aotc-ci.sh"
+    workflow = (ROOT / "docs" / "ci" / "github-actions.yml").read_text()
+    for step in ('docs/ci/aotc-ci.sh key', 'docs/ci/aotc-ci.sh shard', 'docs/ci/aotc-ci.sh assemble', "matrix", "actions/cache"):
+        assert step in workflow
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AOTC_BUILD_ARGS": "--backend export --buckets 1,2 --prefill-chunk 16 --max-seq 64", "COLUMNS": "200"}
+    run = lambda *a, cache: subprocess.run(["bash", str(script), *map(str, a)], env={**env, "AOTC_CACHE_DIR": str(cache)}, capture_output=True, text=True, check=True)  # noqa: E731
+    key = run("key", tiny_dir, cache=tmp_path / "none").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    for i in (1, 2):  # two runners, two caches, as the matrix has
+        run("shard", tiny_dir, i, 2, cache=tmp_path / f"cache{i}")
+    merged = tmp_path / "merged"
+    for i in (1, 2):  # what download-artifact with merge-multiple does
+        shutil.copytree(tmp_path / f"cache{i}" / "entries", merged / "entries", dirs_exist_ok=True)
+    out = run("assemble", tiny_dir, tmp_path / "bundle", cache=merged).stdout
+    assert "5 hits, 0 misses" in out and "every token matches eager" in out
+    assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["graphs_traced"] == 5
