@@ -190,7 +190,7 @@ def bench_build(root: Path, results: dict, quick: bool) -> None:
         t0 = time.perf_counter()
         out = root / f"build-{layers}-bundle"
         subprocess.run(
-            [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "inductor", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(out)],
+            [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "inductor", "--no-cache", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(out)],
             env=env, check=True, capture_output=True,
         )
         row["aotc s"] = time.perf_counter() - t0
@@ -246,7 +246,7 @@ def bench_memory(root: Path, results: dict) -> None:
     weights = (model_dir / "model.safetensors").stat().st_size
     rows = []
     cmds = {
-        "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(root / "mem-bundle")],
+        "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--no-cache", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(root / "mem-bundle")],
         "floor: python + import torch, aotc": [sys.executable, "-c", "import torch, aotc.build"],
         "eager model, weights in memory": [sys.executable, "-c", f"from aotc.models.base import load_model; m = load_model({str(model_dir)!r}).model; [p.sum() for p in m.parameters()]"],
     }
@@ -284,10 +284,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     args = ap.parse_args()
     sections = args.sections.split(",")
-    results = {
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability()},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    # Sections run now replace theirs in an existing results file; the others are kept.
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results.update(
+        machine={"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability()},
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     with tempfile.TemporaryDirectory(prefix="aotc-bench-") as tmp:
         root = Path(tmp)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
@@ -298,7 +300,7 @@ def main() -> None:
             bench_ttft(models, root, results, args.quick)
         if "build" in sections:
             bench_build(root, results, args.quick)
-        if "bandwidth" in sections and "decode" in sections:
+        if "bandwidth" in sections and "decode" in results:
             bench_bandwidth(models, results)
         if "memory" in sections and not args.quick:
             bench_memory(root, results)
