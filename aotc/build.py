@@ -114,6 +114,8 @@ class BuildOptions:
     def make_backend(self) -> Backend:
         if self.backend == "inductor":
             return get_backend("inductor", device=self.device, config=self.compiler_flags)
+        if self.backend == "neuron":
+            return get_backend("neuron", **self.compiler_flags)
         if self.compiler_flags:
             raise AotcError(f"--compiler-flag: the {self.backend} backend takes no compiler flags")
         return get_backend(self.backend)
@@ -129,6 +131,10 @@ def default_jobs(tasks: int, backend: str) -> int:
     """Parallel compile processes: bounded by cores and by free memory (about 2 GB per compile)."""
     if backend == "export" or tasks <= 1:
         return 1  # a compile is a file write: processes would cost more than they save
+    if backend == "neuron":
+        from .backends.neuron import default_jobs as neuron_jobs
+
+        return neuron_jobs(tasks)
     cores = os.cpu_count() or 1
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1, min(cores, free // (2 << 30), tasks))
@@ -505,3 +511,55 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
         manifest["model"]["source"] = str(options.model_dir.resolve())
         write_json_atomic(tmp / MANIFEST, manifest)
     return BuildResult(options.out, manifest, artifacts, 0, [], time.perf_counter() - t0, 1, cache.root)
+
+
+# -- neuron: finishing a cross-build ----------------------------------------------
+
+
+def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[tuple[str, int]]:
+    """Compile the pending artifacts of a bundle built where neuronx-cc was missing.
+
+    Each pending artifact's command.txt is run in its folder; the manifest is
+    rewritten (atomically) once every compile succeeded. Returns the (entry,
+    bucket) pairs compiled.
+    """
+    import shlex
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .backends import neuron
+    from .runtime.bundle import read_manifest
+
+    progress = progress or (lambda *a, **k: None)
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if manifest["backend"]["name"] != "neuron":
+        raise AotcError(f"--resume {bundle}: a {manifest['backend']['name']} bundle has nothing to resume; only neuron bundles do")
+    pending = [(e, a) for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending")]
+    if not pending:
+        return []
+    version = neuron.compiler_version()
+    if version is None:
+        raise AotcError(f"--resume {bundle}: {neuron.COMPILER} is not on PATH; run this on a host with the Neuron SDK")
+    for e, a in pending:
+        progress("entry", id=f"{e['id']} b{a['bucket']}", total=1)
+
+    def compile_one(item):
+        e, a = item
+        folder = bundle / a["dir"]
+        neuron.run_compiler(shlex.split((folder / neuron.COMMAND).read_text()), folder)
+        progress("done", id=f"{e['id']} b{a['bucket']}", bucket=a["bucket"])
+        return item
+
+    workers = jobs or neuron.default_jobs(len(pending))
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each compile is a subprocess
+        list(pool.map(compile_one, pending))
+    for e, a in pending:
+        folder = bundle / a["dir"]
+        for name in (neuron.NEFF, neuron.LOG):
+            a["files"][name] = sha256_file(folder / name)
+        del a["extra"]["pending"]
+        # The artifact now depends on the compiler too.
+        a["cache_key"] = hashlib.sha256(f"{a['cache_key']}:{neuron.COMPILER}-{version}".encode()).hexdigest()
+    manifest["backend"]["version"] = manifest["backend"]["version"].replace("neuronx-cc-absent", f"neuronx-cc-{version}")
+    write_json_atomic(bundle / MANIFEST, manifest)
+    return [(e["id"], a["bucket"]) for e, a in pending]

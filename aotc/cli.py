@@ -77,15 +77,15 @@ MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.
 BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
 PREFILL_CHUNK = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated.")
 MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
-BACKEND = typer.Option(None, "--backend", help="export | inductor (default: inductor where a C++ compiler is present, else export).")
+BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
-COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name).")
+COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type, fp8_max).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
 @app.command()
 def build(
-    model_dir: Path = MODEL_DIR,
+    model_dir: Optional[Path] = typer.Argument(None, help="Hugging Face model folder (config.json, *.safetensors)."),
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
@@ -99,10 +99,15 @@ def build(
     require_cache: bool = typer.Option(False, "--require-cache", help="Fail, naming them, if any artifact is not cached (deploy jobs)."),
     remote_cache: Optional[str] = typer.Option(None, "--remote-cache", help="s3://bucket/prefix: read-through, write-back remote cache."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: compile only this shard's artifacts into the cache; no bundle."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="BUNDLE: compile the pending artifacts of a neuron cross-build (needs neuronx-cc)."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .build import build as run_build, parse_shard
 
+    if resume is not None:
+        return _resume(resume, jobs)
+    if model_dir is None:
+        _fail(AotcError("aotc build needs MODEL_DIR (or --resume BUNDLE)"))
     try:
         options = _build_options(
             model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag,
@@ -142,8 +147,28 @@ def build(
         if remote_cache:
             line += f", {result.count('remote')} from {remote_cache}"
         console.print(line + f" ({result.cache_dir})")
+    pending = [a for a in result.artifacts if a.record.get("extra", {}).get("pending")]
+    if pending:
+        console.print(
+            f"[yellow]{len(pending)} artifacts are pending:[/] {pending[0].record['extra']['pending']}. "
+            f"Each has its HLO and command.txt; on a host with the Neuron SDK run: aotc build --resume {result.out}",
+            highlight=False,
+        )
     if result.remote_errors:
         console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {result.remote_errors[0]}", highlight=False)
+
+
+def _resume(bundle: Path, jobs: Optional[int]) -> None:
+    from .build import resume
+
+    try:
+        done = resume(bundle, jobs)
+    except AotcError as e:
+        _fail(e)
+    if not done:
+        console.print(f"{bundle}: nothing pending")
+        return
+    console.print(f"compiled {len(done)} pending artifacts: {', '.join(f'{e} b{b}' for e, b in done)}; {bundle} is ready to run")
 
 
 cache_app = typer.Typer(help="The compile cache.", no_args_is_help=True)

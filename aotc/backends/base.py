@@ -90,4 +90,4 @@ def get_backend(name: str, **options) -> Backend:
 
 
 def _import_builtin() -> None:
-    from . import export, inductor  # noqa: F401
+    from . import export, inductor, neuron, xla  # noqa: F401

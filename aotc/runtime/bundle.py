@@ -32,6 +32,13 @@ class Bundle:
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
+        pending = [f"{e['id']} bucket {a['bucket']}" for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending")]
+        if pending:
+            reason = next(a["extra"]["pending"] for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending"))
+            raise BundleError(
+                f"{path}: {len(pending)} artifacts are pending, not compiled ({reason}): {', '.join(pending)}. "
+                f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
+            )
         built = manifest["backend"]
         backend = get_backend(built["name"], **built.get("flags", {}))
         why = backend.incompatible(built)

@@ -1,0 +1,190 @@
+"""Neuron: the xla backend's HLO compiled by neuronx-cc into a NEFF.
+
+Beside each NEFF the artifact keeps the exact command line (`command.txt`)
+and the compiler's output (`compile.log`). Where neuronx-cc is not on PATH
+(any machine without the Neuron SDK), the build stops after the HLO: the
+artifact is marked pending in the manifest with its command line, and
+`aotc build --resume BUNDLE` on a Neuron host compiles exactly the pending
+ones. NEFFs are run through the Neuron runtime's Python API (nrtpy).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import BackendError
+from ..trace import TracedGraph
+from . import xla
+from .base import Backend, CompileResult, Runner, register_backend
+
+COMPILER = "neuronx-cc"
+NEFF = "model.neff"
+COMMAND = "command.txt"
+LOG = "compile.log"
+TARGETS = ("trn1", "trn2", "inf2")
+AUTO_CAST = ("none", "matmult", "all")
+AUTO_CAST_TYPES = ("bf16", "fp16", "tf32", "fp8_e4m3")
+# trn2 reads float8_e4m3fn bytes as IEEE e4m3; aotc rescales fp8 weights to
+# match (aotc/fp8.py), and this tells the compiler to accept e4m3fn graphs.
+FP8_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+GB_PER_COMPILE = 8  # neuronx-cc's peak memory for one decoder-layer graph, order of magnitude
+
+
+@dataclass(frozen=True)
+class NeuronOptions:
+    target: str = "trn2"
+    model_type: str = "transformer"
+    optlevel: int = 2
+    lnc: int | None = None  # logical NeuronCores per graph; the compiler's default when None
+    auto_cast: str = "none"
+    auto_cast_type: str | None = None
+    fp8_max: float = 224.0  # activations and caches quantize to this (trn2's e4m3 max is 240)
+
+    def __post_init__(self):
+        checks = [
+            ("target", self.target, TARGETS),
+            ("auto_cast", self.auto_cast, AUTO_CAST),
+            ("optlevel", self.optlevel, (1, 2, 3)),
+        ]
+        if self.auto_cast_type is not None:
+            checks.append(("auto_cast_type", self.auto_cast_type, AUTO_CAST_TYPES))
+        if self.lnc is not None:
+            checks.append(("lnc", self.lnc, (1, 2)))
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise BackendError(f"--compiler-flag {name}={value!r}: expected one of {', '.join(map(str, allowed))}")
+        if not 0 < self.fp8_max <= 240:
+            raise BackendError(f"--compiler-flag fp8_max={self.fp8_max}: expected 0 < fp8_max <= 240 (trn2's e4m3 maximum)")
+
+
+def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> list[str]:
+    cmd = [
+        COMPILER, "compile", hlo,
+        "--framework", "XLA",
+        "--target", options.target,
+        "--model-type", options.model_type,
+        f"--optlevel={options.optlevel}",
+        "--auto-cast", options.auto_cast,
+    ]  # fmt: skip
+    if options.auto_cast_type:
+        cmd += ["--auto-cast-type", options.auto_cast_type]
+    if options.lnc is not None:
+        cmd += ["--logical-nc-config", str(options.lnc)]
+    if fp8:
+        cmd.append(FP8_FLAG)
+    return cmd + ["--output", neff]
+
+
+def has_fp8(graph: TracedGraph) -> bool:
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+    return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in graph.graph_module.graph.nodes)
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version() -> str | None:
+    """neuronx-cc's version, or None where it is not on PATH."""
+    if shutil.which(COMPILER) is None:
+        return None
+    out = subprocess.run([COMPILER, "--version"], capture_output=True, text=True)
+    found = re.search(r"(\d+\.\d+[\w.+-]*)", out.stdout + out.stderr)
+    return found.group(1) if found else "unknown"
+
+
+def run_compiler(cmd: list[str], cwd: Path) -> None:
+    """Run neuronx-cc in `cwd`, its output to compile.log; errors name the NCC code and the log."""
+    log = cwd / LOG
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode == -signal.SIGKILL:
+        raise BackendError(
+            f"{COMPILER} was killed by signal 9, most likely for lack of memory (about {GB_PER_COMPILE} GB per compile); "
+            f"compile fewer graphs at once with --jobs N. Log: {log}"
+        )
+    if proc.returncode != 0:
+        codes = sorted(set(re.findall(r"NCC_[A-Z0-9]+", log.read_text(errors="replace"))))
+        what = f"with {', '.join(codes)}" if codes else f"with exit status {proc.returncode}"
+        raise BackendError(f"{COMPILER} failed {what}; log: {log}")
+    if not (cwd / NEFF).is_file():
+        raise BackendError(f"{COMPILER} exited 0 but wrote no {NEFF}; log: {log}")
+
+
+@register_backend
+class NeuronBackend(Backend):
+    name = "neuron"
+
+    def __init__(self, **options):
+        try:
+            self.options = NeuronOptions(**options)
+        except TypeError as e:
+            known = ", ".join(NeuronOptions.__dataclass_fields__)
+            raise BackendError(f"--compiler-flag: {e}; the neuron backend's flags are {known}") from None
+
+    def version(self) -> str:
+        return f"{xla.XlaBackend().version()}-neuronx-cc-{compiler_version() or 'absent'}"
+
+    def unavailable(self) -> str | None:
+        return xla.XlaBackend().unavailable()
+
+    def flags(self) -> dict:
+        return asdict(self.options)
+
+    def pass_target(self) -> str | None:
+        return "neuron"
+
+    def incompatible(self, built: dict) -> str | None:
+        # A NEFF needs the Neuron runtime, not the compiler that made it: run hosts
+        # need not have neuronx-cc, or the build machine's version of it.
+        return None
+
+    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+        lowered = xla.lower(graph)
+        (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
+        (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
+        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, has_fp8(graph))
+        (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
+        files = [xla.HLO_PROTO, xla.HLO_TEXT, COMMAND]
+        extra = {"mutated": lowered.mutated, "donated": lowered.donated}
+        if compiler_version() is None:
+            return CompileResult(files, {**extra, "pending": f"{COMPILER} was not on PATH on the build machine"})
+        run_compiler(cmd, out_dir)
+        return CompileResult(files + [NEFF, LOG], extra)
+
+    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+        if importlib.util.find_spec("nrtpy") is None:
+            raise BackendError(
+                "running NEFFs needs the Neuron runtime's Python API (nrtpy, from the Neuron SDK, with "
+                "torch-neuronx) on a Trainium or Inferentia host; it is not installed here"
+            )
+        import nrtpy
+
+        model = nrtpy.NrtpyModel.load_from_neff(str(art_dir / NEFF))
+        in_names = list(model.input_tensors_info)
+        out_names = list(model.output_tensors_info)
+        mutated = entry["extra"]["mutated"]
+
+        def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            # The HLO's parameters and results are positional, in the graph's order.
+            outs = model({name: a.detach().cpu().numpy() for name, a in zip(in_names, args)})
+            outs = [torch.from_numpy(outs[name]) for name in out_names]
+            for position, new in zip(mutated, outs):
+                args[position].copy_(new)
+            return outs[len(mutated) :]
+
+        return run
+
+
+def default_jobs(tasks: int) -> int:
+    import os
+
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(os.cpu_count() or 1, free // (GB_PER_COMPILE << 30), tasks))

@@ -1,0 +1,179 @@
+"""The neuron backend: the neuronx-cc driver, cross-builds and --resume.
+
+The driver is tested against tests/fakes/neuronx-cc, a test double put on
+PATH here only. A test marked `neuron` compiles and runs for real where the
+Neuron SDK is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import aotc
+from aotc.backends import neuron
+from aotc.backends.neuron import FP8_FLAG, NeuronBackend, NeuronOptions, compiler_command, has_fp8
+from aotc.build import BuildOptions, build, resume
+from aotc.cli import app
+from aotc.errors import AotcError, BackendError, BundleError
+from aotc.runtime import Bundle
+from aotc.trace import Shapes, find_variants, trace
+
+pytestmark = pytest.mark.skipif(NeuronBackend().unavailable() is not None, reason=str(NeuronBackend().unavailable()))
+
+FAKES = Path(__file__).parent / "fakes"
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="neuron", use_cache=False)
+
+
+@pytest.fixture()
+def stand_in(monkeypatch, tmp_path):
+    """neuronx-cc on PATH is the test double; returns a reader of the argv it was called with."""
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_NEURONX_CC_CALLS", str(calls))
+    neuron.compiler_version.cache_clear()
+    yield lambda: [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+    neuron.compiler_version.cache_clear()
+
+
+@pytest.fixture()
+def no_compiler(monkeypatch):
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "neuronx-cc").exists()))
+    neuron.compiler_version.cache_clear()
+    yield
+    neuron.compiler_version.cache_clear()
+
+
+def test_command_line_from_typed_options():
+    options = NeuronOptions(target="trn1", optlevel=3, lnc=1, auto_cast="matmult", auto_cast_type="bf16")
+    assert compiler_command(options, "hlo.pb", "model.neff", fp8=False) == [
+        "neuronx-cc", "compile", "hlo.pb", "--framework", "XLA", "--target", "trn1", "--model-type", "transformer",
+        "--optlevel=3", "--auto-cast", "matmult", "--auto-cast-type", "bf16", "--logical-nc-config", "1", "--output", "model.neff",
+    ]  # fmt: skip
+    assert FP8_FLAG in compiler_command(NeuronOptions(), "hlo.pb", "model.neff", fp8=True)
+    assert FP8_FLAG == "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [({"target": "trn9"}, "target='trn9'"), ({"auto_cast": "some"}, "auto_cast='some'"), ({"fp8_max": 300}, "fp8_max=300"), ({"speed": 1}, "neuron backend's flags are")],
+)
+def test_bad_options_are_errors_naming_the_flag(flags, message):
+    with pytest.raises(BackendError, match=re.escape(message)):
+        NeuronBackend(**flags)
+
+
+class Fp8CacheLayer(torch.nn.Module):
+    @aotc.entry(bucket="batch", caches=("cache",))
+    def step(self, x, cache):
+        cache[torch.arange(x.shape[0])] = x.to(torch.float8_e4m3fn)
+        return x * 2
+
+    def example_inputs(self, method, rows, shapes):
+        return (torch.zeros(rows, 4), torch.zeros(3, 4, dtype=torch.float8_e4m3fn))
+
+
+class Fp32Layer(torch.nn.Module):
+    @aotc.entry(bucket="batch")
+    def step(self, x):
+        return x + 1
+
+    def example_inputs(self, method, rows, shapes):
+        return (torch.zeros(rows, 4),)
+
+
+def test_graphs_with_fp8_tensors_get_the_fp8_flag():
+    shapes = Shapes(slots=3, max_seq=8)
+    graph = lambda layer: trace(find_variants(torch.nn.ModuleList([layer]), shapes)[0], 2, shapes)  # noqa: E731
+    assert has_fp8(graph(Fp8CacheLayer()))
+    assert not has_fp8(graph(Fp32Layer()))
+
+
+def test_compile_with_the_compiler_present(tiny_dir, tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn1", "lnc": 1}, **OPTIONS))
+    calls = stand_in()
+    assert len(calls) == 5  # one compile per entry and bucket
+    for e in result.manifest["entries"]:
+        for a in e["artifacts"]:
+            folder = result.out / a["dir"]
+            assert set(a["files"]) == {"hlo.pb", "hlo.txt", "command.txt", "model.neff", "compile.log"}
+            assert "pending" not in a["extra"]
+            recorded = shlex.split((folder / "command.txt").read_text())
+            assert recorded[1:] in calls  # the command line kept beside the NEFF is the one that ran
+            assert recorded[recorded.index("--target") + 1] == "trn1" and "--logical-nc-config" in recorded
+            assert "Compiler status PASS" in (folder / "compile.log").read_text()
+    assert "neuronx-cc-2.99.0.0+test-double" in result.manifest["backend"]["version"]
+
+
+def test_compiler_error_quotes_the_ncc_code_and_the_log(tiny_dir, tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "error")
+    with pytest.raises(BackendError, match=r"neuronx-cc failed with NCC_IBCG902; log: .*compile.log"):
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+    assert not (tmp_path / "b").exists()
+
+
+def test_compiler_killed_by_signal_9_is_an_out_of_memory_message(tiny_dir, tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "kill")
+    with pytest.raises(BackendError, match=r"killed by signal 9, most likely for lack of memory .* --jobs N"):
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+
+
+def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
+    runner = CliRunner()
+    out = tmp_path / "bundle"
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "5 artifacts are pending" in said and f"aotc build --resume {out}" in said
+    manifest = json.loads((out / "manifest.json").read_text())
+    for e in manifest["entries"]:
+        for a in e["artifacts"]:
+            assert a["extra"]["pending"] == "neuronx-cc was not on PATH on the build machine"
+            assert set(a["files"]) == {"hlo.pb", "hlo.txt", "command.txt"}
+    with pytest.raises(BundleError, match=r"5 artifacts are pending, not compiled .* aotc build --resume"):
+        Bundle.load(out)
+    r = runner.invoke(app, ["run", str(out)])
+    assert r.exit_code == 2 and "LlamaDecoderLayer.decode bucket 1" in " ".join(r.output.split())
+    with pytest.raises(AotcError, match="neuronx-cc is not on PATH"):
+        resume(out)
+
+    # On a "Neuron host": the compiler is there; resume compiles exactly the pending ones.
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_NEURONX_CC_CALLS", str(calls))
+    neuron.compiler_version.cache_clear()
+    r = runner.invoke(app, ["build", "--resume", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "compiled 5 pending artifacts" in r.output
+    assert len(calls.read_text().splitlines()) == 5
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "neuronx-cc-2.99.0.0+test-double" in manifest["backend"]["version"]
+    for e in manifest["entries"]:
+        for a in e["artifacts"]:
+            assert "pending" not in a["extra"] and "model.neff" in a["files"]
+    assert " ".join(runner.invoke(app, ["build", "--resume", str(out)]).output.split()).endswith("nothing pending")
+    if importlib.util.find_spec("nrtpy") is None:
+        with pytest.raises(BackendError, match="running NEFFs needs the Neuron runtime's Python API"):
+            Bundle.load(out)
+
+
+@pytest.mark.neuron
+@pytest.mark.skipif(shutil.which("neuronx-cc") is None or importlib.util.find_spec("nrtpy") is None, reason="needs the Neuron SDK: neuronx-cc and the Neuron runtime (nrtpy)")
+def test_real_neuron_compile_and_run(tiny_dir, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "bundle"
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["run", str(out), "--check", "--json", "--prompt", "Hello", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["check"]["tokens_equal"]
