@@ -32,6 +32,7 @@ from .errors import AotcError
 from .format import DEFAULT_ARTIFACTS, FORMAT_VERSION, MANIFEST, artifact_dir, bundle_writer, manifest_json, sha256_file, write_json_atomic
 from .models.base import load_model, parse_config
 from .passes import pipeline_identity
+from .plugins import load_plugins
 from .trace import Shapes, TracedGraph, Variant, dtype_name, find_variants, trace, weights_of
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
@@ -91,6 +92,7 @@ class BuildOptions:
     require_cache: bool = False  # fail on any miss instead of compiling
     remote_cache: str | None = None  # s3://bucket/prefix
     shard: tuple[int, int] | None = None  # (i, n): compile the i-th of n shares into the cache, no bundle
+    plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
@@ -185,6 +187,7 @@ class _Plan:
 
 def _resolve(options: BuildOptions) -> tuple[dict, object]:
     """Fill in the defaults that depend on the machine and the config; (config dict, architecture)."""
+    load_plugins(options.plugins)
     config_dict, arch, config = parse_config(options.model_dir)
     if options.backend is None:
         options.backend, _ = default_backend()
@@ -275,6 +278,7 @@ def _manifest(plan: _Plan, built: dict) -> dict:
         {
             "aotc_version": __version__,
             "created_with": {"torch": torch.__version__, "python": platform.python_version()},
+            "plugins": list(options.plugins),
             "model": {
                 "architecture": loaded.arch.name,
                 "class": type(loaded.model).__name__,
@@ -306,6 +310,7 @@ def _task(options: BuildOptions, entry_id: str, bucket: int, out_dir: Path | Non
     """Worker process: trace one (entry, bucket) from the model folder and build it."""
     key = (str(options.model_dir), options.shapes)
     if key not in _WORKER_VARIANTS:
+        load_plugins(options.plugins)
         loaded = load_model(options.model_dir, weights=False)
         _WORKER_VARIANTS[key] = {v.entry_id: v for v in find_variants(loaded.model, options.shapes)}
     variant = _WORKER_VARIANTS[key][entry_id]

@@ -37,24 +37,30 @@ def _fail(e: AotcError) -> None:
     raise typer.Exit(2)
 
 
+PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture (repeatable); see README, Bring your own model.")
+
+
 @init_app.command("tiny")
 def init_tiny(
     out: Path = typer.Argument(..., help="Folder to write (replaced if it exists)."),
-    arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral"),
+    arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral | deepseek_v4 (or an architecture a --plugin registers)."),
     layers: int = typer.Option(4, "--layers", min=1, help="Number of decoder layers."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    plugin: list[str] = PLUGIN,
 ):
     """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
     from .models.tiny import write_tiny
+    from .plugins import load_plugins
 
     try:
+        load_plugins(plugin)
         path = write_tiny(out, arch=arch, layers=layers, seed=seed)
     except AotcError as e:
         _fail(e)
     console.print(f"wrote {arch} model with {layers} layers to {path}")
 
 
-def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, **more):
+def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, **more):
     from .build import BuildOptions, default_backend, parse_buckets, parse_flags
 
     if backend is None:
@@ -69,6 +75,7 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
         backend=backend,
         device=device,
         compiler_flags=parse_flags(compiler_flag, "--compiler-flag"),
+        plugins=tuple(plugin),
         **more,
     )
 
@@ -92,6 +99,7 @@ def build(
     backend: Optional[str] = BACKEND,
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
+    plugin: list[str] = PLUGIN,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>)."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -110,7 +118,7 @@ def build(
         _fail(AotcError("aotc build needs MODEL_DIR (or --resume BUNDLE)"))
     try:
         options = _build_options(
-            model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag,
+            model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None,
         )
@@ -184,12 +192,13 @@ def cache_key_command(
     backend: Optional[str] = BACKEND,
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
+    plugin: list[str] = PLUGIN,
 ):
     """Print one key for a whole build, without compiling (a CI cache key)."""
     from .build import build_key
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag)))
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin)))
     except AotcError as e:
         _fail(e)
 
@@ -233,40 +242,56 @@ def cache_prune(
 
 @app.command()
 def run(
-    bundle: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
+    path: Path = typer.Argument(..., help="Bundle folder written by aotc build (with --eager: a model folder)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from)."),
     prompt: list[str] = typer.Option(list(DEFAULT_PROMPTS), "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
     check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches."),
+    eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
+    plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ):
-    """Greedy generation through a bundle."""
+    """Greedy generation through a bundle (or, with --eager, with the eager model)."""
     from .models.base import load_model
+    from .plugins import load_plugins
     from .runtime import Bundle, generate
 
     try:
         t0 = time.perf_counter()
-        b = Bundle.load(bundle)
-        model_dir = model or Path(b.manifest["model"]["source"])
-        loaded = load_model(model_dir)
-        b.check_model(loaded)
-        loaded.model.to(b.device)
-        tokenizer = _tokenizer(model_dir)
-        prompts = [tokenizer.encode(p).ids for p in prompt]
-        b.bind(loaded.model)
-        setup_s = time.perf_counter() - t0
-        if max_batch is not None and max_batch > b.max_batch:
-            raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
-        kwargs = dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
-        gen = generate(loaded.model, prompts, max_new_tokens, **kwargs)
-        ref = None
-        if check:
-            Bundle.unbind(loaded.model)
-            ref = generate(loaded.model, prompts, max_new_tokens, **kwargs)
+        load_plugins(plugin)
+        if eager:
+            if check:
+                raise AotcError("--check compares a bundle with the eager model; it has nothing to compare with --eager")
+            model_dir = model or path
+            loaded = load_model(model_dir)
+            tokenizer = _tokenizer(model_dir)
+            prompts = [tokenizer.encode(p).ids for p in prompt]
+            max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + max_new_tokens)
+            gen = generate(loaded.model, prompts, max_new_tokens, max_batch=max_batch or len(prompts), max_seq=max_seq)
+            report = _report(prompt, gen, None, tokenizer, "eager", str(model_dir), 0.0, time.perf_counter() - t0)
+            ref = None
+        else:
+            b = Bundle.load(path)
+            model_dir = model or Path(b.manifest["model"]["source"])
+            loaded = load_model(model_dir)
+            b.check_model(loaded)
+            loaded.model.to(b.device)
+            tokenizer = _tokenizer(model_dir)
+            prompts = [tokenizer.encode(p).ids for p in prompt]
+            b.bind(loaded.model)
+            setup_s = time.perf_counter() - t0
+            if max_batch is not None and max_batch > b.max_batch:
+                raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
+            kwargs = dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
+            gen = generate(loaded.model, prompts, max_new_tokens, **kwargs)
+            ref = None
+            if check:
+                Bundle.unbind(loaded.model)
+                ref = generate(loaded.model, prompts, max_new_tokens, **kwargs)
+            report = _report(prompt, gen, ref, tokenizer, b.manifest["backend"]["name"], str(b.dir), b.load_s, setup_s)
     except AotcError as e:
         _fail(e)
-    report = _report(prompt, gen, ref, tokenizer, b, setup_s)
     if as_json:
         print(json.dumps(report))
     else:
@@ -318,16 +343,16 @@ def _tokenizer(model_dir: Path):
     return Tokenizer.from_file(str(path))
 
 
-def _report(prompts, gen, ref, tokenizer, bundle, setup_s) -> dict:
+def _report(prompts, gen, ref, tokenizer, backend, source, load_s, setup_s) -> dict:
     out = {
-        "bundle": str(bundle.dir),
-        "backend": bundle.manifest["backend"]["name"],
+        "bundle": source,
+        "backend": backend,
         "prompts": [
             {"prompt": p, "prompt_ids": s.prompt_ids, "new_ids": s.new_ids, "text": tokenizer.decode(s.new_ids)}
             for p, s in zip(prompts, gen.sequences)
         ],
         "timings": {
-            "bundle_load_s": round(bundle.load_s, 4),
+            "bundle_load_s": round(load_s, 4),
             "setup_s": round(setup_s, 4),
             "ttft_s": round(gen.ttft_s, 4),
             "prefill_s": round(gen.prefill_s, 4),

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, WeightsError
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, dequantize
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
 
@@ -43,13 +43,21 @@ class CausalLM(nn.Module):
     config_class: type
 
     # -- checkpoint layout ---------------------------------------------------
-    def checkpoint_name(self, param: str) -> str:
-        """The checkpoint tensor name of a parameter path (default: the same)."""
+    def checkpoint_name(self, param: str) -> str | list[str]:
+        """The checkpoint tensor name of a parameter path (default: the same), or
+        candidate names in order (checkpoints of one model come in several layouts)."""
         return param
 
     def tied_parameters(self) -> dict[str, str]:
         """Parameters that share another's tensor: {param: source param}."""
         return {}
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (not in checkpoints) after weights were loaded."""
+
+    def round_max_seq(self, n: int) -> int:
+        """The cache length to allocate for n positions (some models need a multiple of a block)."""
+        return n
 
     # -- caches --------------------------------------------------------------
     def cache_specs(self, slots: int, max_seq: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -135,25 +143,43 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _expected(model: CausalLM) -> dict[str, nn.Parameter]:
+def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """What the checkpoint must provide: parameters and persistent buffers, but tied copies."""
     tied = model.tied_parameters()
-    return {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in tied}
+    out = {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in tied}
+    for module_name, module in model.named_modules():
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = b
+    return out
+
+
+def checkpoint_names(model: CausalLM, param: str) -> list[str]:
+    """The names a parameter may have in a checkpoint, the one aotc writes first."""
+    names = model.checkpoint_name(param)
+    return [names] if isinstance(names, str) else list(names)
+
+
+def _names(model: CausalLM, checkpoint: Checkpoint, param: str) -> str:
+    """The checkpoint's name for a parameter: the first of the model's candidates it has."""
+    candidates = checkpoint_names(model, param)
+    return next((c for c in candidates if c in checkpoint.tensors), candidates[0])
 
 
 def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> None:
-    for name, p in _expected(model).items():
-        checkpoint.check(model.checkpoint_name(name), tuple(p.shape))
+    for name, p in checkpoint_tensors(model).items():
+        checkpoint.check(_names(model, checkpoint, name), tuple(p.shape))
 
 
 def _load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
-    expected = _expected(model)
-    names = {param: model.checkpoint_name(param) for param in expected}
+    expected = checkpoint_tensors(model)
+    names = {param: _names(model, checkpoint, param) for param in expected}
     for param, p in expected.items():
         checkpoint.check(names[param], tuple(p.shape))
     tensors = checkpoint.load(list(names.values()))
     state = {}
     for param, p in expected.items():
-        t = tensors[names[param]]
+        t = dequantize(checkpoint, names[param], tensors[names[param]], p.dtype)
         if t.dtype.is_floating_point != p.dtype.is_floating_point:
             raise WeightsError(f"{checkpoint.dir}: tensor {names[param]!r} has dtype {t.dtype}, expected a {p.dtype}-compatible dtype")
         state[param] = t.to(p.dtype)
@@ -164,3 +190,10 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
     for param, source in model.tied_parameters().items():
         owner, _, leaf = param.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
+    # Non-persistent buffers were built on the meta device: make them real.
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buf = module._buffers.get(name)
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype)
+    model.init_buffers()

@@ -91,3 +91,33 @@ class Checkpoint:
                 for name in file_names:
                     out[name] = f.get_tensor(name)
         return out
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCK = 128  # DeepSeek-style fp8 checkpoints scale each 128 x 128 block of a weight
+
+
+def dequantize(checkpoint: Checkpoint, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weights with per-block `<name>_scale_inv` -> `dtype`; other tensors pass through.
+
+    Scales are float32, or ue8m0 exponents (a power of two, `scale_fmt: ue8m0`)
+    stored as float8_e8m0fnu or uint8.
+    """
+    if tensor.dtype not in FP8:
+        return tensor
+    scale_name = f"{name}_scale_inv"
+    if scale_name not in checkpoint.tensors:
+        raise WeightsError(f"{checkpoint.info(name).file}: fp8 tensor {name!r} has no {scale_name!r}; fp8 weights need their block scales")
+    scale = checkpoint.load([scale_name])[scale_name]
+    if scale.dtype == torch.uint8:  # a bare ue8m0 exponent
+        scale = torch.exp2(scale.float() - 127)
+    scale = scale.float()
+    rows, cols = tensor.shape[-2], tensor.shape[-1]
+    blocks = (-(-rows // BLOCK), -(-cols // BLOCK))
+    if tuple(scale.shape[-2:]) != blocks:
+        raise WeightsError(
+            f"{checkpoint.info(scale_name).file}: {scale_name!r} has shape {list(scale.shape)}, expected {list(blocks)} "
+            f"(one scale per {BLOCK}x{BLOCK} block of {list(tensor.shape)})"
+        )
+    full = scale.repeat_interleave(BLOCK, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)[..., :cols]
+    return (tensor.float() * full).to(dtype)

@@ -71,4 +71,4 @@ def resolve(config: dict, source: Path | str) -> Architecture:
 
 def _import_builtin_models() -> None:
     # Imported lazily so that `aotc.models.registry` has no import cycle with the models.
-    from . import llama  # noqa: F401
+    from . import deepseek_v4, llama  # noqa: F401

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .base import parse_config
+from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .corpus import CORPUS
 from .registry import get_architecture
 
@@ -64,12 +64,7 @@ def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DE
         _, arch, parsed = parse_config(tmp)
         model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed))
-        tied = model.tied_parameters()
-        tensors = {
-            model.checkpoint_name(name): p.detach().contiguous()
-            for name, p in model.named_parameters(remove_duplicate=False)
-            if name not in tied
-        }
+        tensors = {checkpoint_names(model, name)[0]: t.detach().contiguous() for name, t in checkpoint_tensors(model).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if out.exists():
             shutil.rmtree(out)

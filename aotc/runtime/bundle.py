@@ -16,6 +16,7 @@ from ..errors import BundleError
 from ..format import FORMAT_VERSION, MANIFEST, sha256_file
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
+from ..plugins import load_plugins
 from .dispatch import Dispatcher
 
 
@@ -32,6 +33,7 @@ class Bundle:
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
+        load_plugins(manifest.get("plugins", []))
         pending = [f"{e['id']} bucket {a['bucket']}" for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending")]
         if pending:
             reason = next(a["extra"]["pending"] for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending"))
