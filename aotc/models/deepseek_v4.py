@@ -26,6 +26,17 @@ the cache slots and max_seq, indexed by (slot, position):
 A compressed entry is written when the token that closes its window is
 processed, from the per-position inputs, so prompts can be prefilled in any
 chunking and give the same state.
+
+Data-dependent steps that a compiled graph has to get rid of (everything else
+has static shapes: top-k with a fixed k, gathers by slot, masks):
+  * Compressor.emit: `nonzero` picks the tokens that close a window, `tolist`
+    / `int(...)` bring slot and window to the host, and the window is sliced
+    by those values (with a branch on `w > 0`). Static form: every token
+    computes its would-be entry and writes it to index `w`, or to a scratch
+    entry when it closes no window.
+  * MoE.forward: `nonzero` finds each expert's tokens, a branch on their
+    count, and a gather/index_add_ of data-dependent size. Static form: a
+    gather of each token's top-k expert weights (decode) or grouped GEMM.
 """
 
 from __future__ import annotations
