@@ -339,12 +339,17 @@ def _check_mutations(gm, inputs: list[InputInfo], variant: Variant) -> None:
 
 def _explain_failure(what: str, verb: str, e: Exception) -> str:
     text = str(e)
-    ours = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    # The user's frames: not torch's, and not aotc's own machinery (its models are user code here).
+    aotc_dir = Path(__file__).parent
+    machinery = (str(Path(torch.__file__).parent), str(aotc_dir))
+    frames = [
+        f for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(machinery) or f.filename.startswith(str(aotc_dir / "models"))
+    ]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     hint = ""
     lowered = (text + type(e).__name__).lower()
-    if "data-dependent" in lowered or "datadependent" in lowered or "unbacked" in lowered or "local_scalar_dense" in lowered:
+    if any(k in lowered for k in ("data-dependent", "datadependent", "dynamicoutputshape", "unbacked", "local_scalar_dense", "nonzero")):
         hint = (
             " The code depends on tensor values (.item(), nonzero, tolist, a boolean mask, or a branch on a "
             "tensor): compute it with tensor ops instead (torch.where, index tensors, a fixed-size mask)."

@@ -498,6 +498,20 @@ class Block(nn.Module):
         dtype = streams.dtype
         return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
 
+    def example_inputs(self, method, rows, shapes):
+        a, dtype = self.attn, self.attn.wkv.weight.dtype
+        hidden = a.wkv.in_features
+        hc = self.hc_attn_fn.shape[1] // hidden  # the streams
+        index = torch.zeros(rows, dtype=torch.long)
+        args = [torch.zeros(rows, hc, hidden, dtype=dtype), index, index.clone(), index.clone()]
+        args.append(torch.zeros(shapes.slots, shapes.max_seq, a.head_dim, dtype=dtype))
+        for comp in [getattr(a, "compressor", None), getattr(getattr(a, "indexer", None), "compressor", None)]:
+            if comp is not None:
+                width = comp.wkv.out_features
+                args += [torch.zeros(shapes.slots, shapes.max_seq, width, dtype=dtype) for _ in range(2)]
+                args.append(torch.zeros(shapes.slots, shapes.max_seq // comp.rate, comp.dim, dtype=dtype))
+        return tuple(args)
+
     def step(self, x, ids, positions, slots, caches):
         # x: [N, hc, hidden]
         x = self.mix("attn", x, lambda h: self.attn(self.attn_norm(h), ids, positions, slots, caches))
