@@ -558,7 +558,7 @@ def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = No
     workers = jobs or neuron.default_jobs(len(pending))
     with ThreadPoolExecutor(max_workers=workers) as pool:  # each compile is a subprocess
         list(pool.map(compile_one, pending))
-    for e, a in pending:
+    for _, a in pending:
         folder = bundle / a["dir"]
         for name in (neuron.NEFF, neuron.LOG):
             a["files"][name] = sha256_file(folder / name)

@@ -86,7 +86,7 @@ def generate(
         if g == 0:
             result.ttft_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
-        for step in range(1, max_new_tokens):
+        for _ in range(1, max_new_tokens):
             if all(done):
                 break
             ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
