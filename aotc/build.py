@@ -236,10 +236,11 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
         misses = []
         for variant, bucket in tasks:
             graph = trace(variant, bucket, shapes, backend.pass_target())
-            if jobs > 1 and (cache is None or not cache.has(cache_key(graph, backend))):
+            key = cache_key(graph, backend)
+            if jobs > 1 and (cache is None or not cache.has(key)):
                 misses.append((variant, bucket))
                 continue
-            built[variant.entry_id, bucket] = _artifact(backend, graph, out_dir, cache, options.remote_cache)
+            built[variant.entry_id, bucket] = _artifact(backend, graph, key, out_dir, cache, options.remote_cache)
             progress("done", id=variant.entry_id, bucket=bucket)
         if not misses:
             return
@@ -316,13 +317,13 @@ def _task(options: BuildOptions, entry_id: str, bucket: int, out_dir: Path | Non
     variant = _WORKER_VARIANTS[key][entry_id]
     backend = options.make_backend()
     cache = LocalCache(options.cache_dir) if options.use_cache else None
-    return _artifact(backend, trace(variant, bucket, options.shapes, backend.pass_target()), out_dir, cache, options.remote_cache)
+    graph = trace(variant, bucket, options.shapes, backend.pass_target())
+    return _artifact(backend, graph, cache_key(graph, backend), out_dir, cache, options.remote_cache)
 
 
-def _artifact(backend: Backend, graph: TracedGraph, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
+def _artifact(backend: Backend, graph: TracedGraph, key: str, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
     """Get one artifact, from the cache when its key is there, else by compiling; copy it into the bundle."""
     t0 = time.perf_counter()
-    key = cache_key(graph, backend)
     rel = artifact_dir(graph.variant.entry_id, graph.bucket)
     remote = _remote(remote_url) if remote_url else None
     errors_before = len(remote.errors) if remote else 0
@@ -538,7 +539,7 @@ def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = No
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     if manifest["backend"]["name"] != "neuron":
-        raise AotcError(f"--resume {bundle}: a {manifest['backend']['name']} bundle has nothing to resume; only neuron bundles do")
+        raise AotcError(f"--resume {bundle}: built with the {manifest['backend']['name']} backend, it has nothing to resume; only neuron bundles do")
     pending = [(e, a) for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending")]
     if not pending:
         return []

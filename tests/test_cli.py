@@ -95,6 +95,16 @@ def test_inspect(built):
         (["build", "{missing}"], "not a folder"),
         (["run", "{missing}"], "no manifest.json"),
         (["run", "{bundle}", "--prompt", "{long}", "--max-new-tokens", "8"], "more than the cache holds (max_seq 192)"),
+        (["run", "{bundle}", "--max-batch", "8"], "--max-batch 8: the bundle's largest batch bucket is 4"),
+        (["run", "{model}", "--eager", "--check"], "--check compares a bundle with the eager model"),
+        (["build", "{model}", "--shard", "3/2"], "--shard '3/2': expected I/N with 1 <= I <= N"),
+        (["build", "{model}", "--backend", "inductor", "--compiler-flag", "simdlen"], "--compiler-flag 'simdlen': expected KEY=VALUE"),
+        (["build", "{model}", "--backend", "inductor", "--compiler-flag", "no.such.config=1"], "--compiler-flag no.such.config: Inductor has no such config"),
+        (["build", "{model}", "--backend", "inductor", "--device", "tpu"], "--device 'tpu': expected cpu or cuda"),
+        (["build", "{model}", "--backend", "export", "--compiler-flag", "x=1"], "the export backend takes no compiler flags"),
+        (["build", "{model}", "--no-cache", "--require-cache"], "--no-cache cannot be combined with --require-cache"),
+        (["build"], "aotc build needs MODEL_DIR (or --resume BUNDLE)"),
+        (["build", "--resume", "{bundle}"], "built with the export backend, it has nothing to resume"),
     ],
 )
 def test_errors_exit_2_with_a_message(built, tmp_path, args, message):

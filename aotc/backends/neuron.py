@@ -153,7 +153,7 @@ class NeuronBackend(Backend):
         cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, has_fp8(graph))
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
         files = [xla.HLO_PROTO, xla.HLO_TEXT, COMMAND]
-        extra = {"mutated": lowered.mutated, "donated": lowered.donated}
+        extra = {"mutated": lowered.mutated}
         if compiler_version() is None:
             return CompileResult(files, {**extra, "pending": f"{COMPILER} was not on PATH on the build machine"})
         run_compiler(cmd, out_dir)

@@ -102,8 +102,9 @@ class Lowered:
     hlo_proto: bytes
     hlo_text: str
     jax_module: bytes
-    donated: list[int]  # input positions of the caches, donated and aliased to outputs
-    mutated: list[int]  # for each leading output that is an updated cache: its input position
+    # Input positions of the written caches, in the order of the leading outputs
+    # that hold their updates; each is donated (aliased to that output).
+    mutated: list[int]
 
 
 def lower(graph: TracedGraph) -> Lowered:
@@ -133,7 +134,7 @@ def lower(graph: TracedGraph) -> Lowered:
     jitted = jax.jit(computation, donate_argnums=tuple(mutated))
     hlo = jitted.lower(*specs).compiler_ir("hlo")
     exported = jax.export.export(jitted)(*specs)
-    return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated, mutated)
+    return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated)
 
 
 def _jax_dtype(dtype: torch.dtype):
@@ -161,7 +162,7 @@ class XlaBackend(Backend):
         (out_dir / HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / HLO_TEXT).write_text(lowered.hlo_text)
         (out_dir / JAX_MODULE).write_bytes(lowered.jax_module)
-        return CompileResult([HLO_PROTO, HLO_TEXT, JAX_MODULE], {"donated": lowered.donated, "mutated": lowered.mutated})
+        return CompileResult([HLO_PROTO, HLO_TEXT, JAX_MODULE], {"mutated": lowered.mutated})
 
     def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
         import_torchax()
