@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from .entry import entry  # noqa: E402
 from .errors import AotcError  # noqa: E402
 from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
+from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]
+__all__ = ["AotcError", "CausalLM", "ModelConfig", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]

@@ -1,24 +1,69 @@
-"""Bundle paths and format constants, and the atomic bundle writer.
+"""The bundle format: typed records, one writer, one reader.
 
-Everything that knows where a file lives inside a bundle is here, so the
-writer (build) and the reader (runtime) cannot drift apart.
+    BUNDLE/manifest.json                 a Manifest, `format_version` first
+    BUNDLE/entries/<entry id>/b<bucket>/ one folder per artifact: the files that
+                                         its ArtifactRecord lists, with their sha256
+
+Every other module reads the typed objects below; none indexes a manifest by
+string. The reader validates every field's presence and type and names the
+first bad one (`manifest.json: entries[2].artifacts[0].bucket: expected
+int, got str`), and confines every path the manifest names to the bundle
+folder (the folder itself may be a symlink, such as `artifacts/latest`).
+
+Format-version policy: a bundle is read only by the aotc format it was
+written with. An older or newer `format_version` is an error that says to
+rebuild (exit 2); there is no migration, because a bundle is cheap to rebuild
+from the compile cache and a half-understood bundle would run wrong code.
+
+Records are designed for what comes next:
+  * a bucket is `dims`, a record of named static dimensions ({"batch": 4},
+    {"chunk": 128}; a context length joins them later); `bucket` is the
+    value of the dimension that the runtime pads, the entry's `bucket_kind`;
+  * `form` says which graph an artifact holds: "static" (every shape fixed)
+    or "unbacked" (data-dependent sizes kept, where a backend runs them);
+  * a cache whose regions have different dtypes is recorded as one CacheSpec
+    per region, each its own allocation (DESIGN.md, Caches);
+  * `digest()` identifies a whole bundle: the sha256 of its manifest, which
+    holds every file's sha256.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
-from typing import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator, Literal
 
-FORMAT_VERSION = 1
+import msgspec
+
+from .errors import BundleError
+
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
+
+# The files of each backend's artifacts. The reader requires them listed in the
+# manifest, so that every file a backend loads has had its sha256 checked.
+PROGRAM = "program.pt2"  # export: the ExportedProgram
+PACKAGE = "model.pt2"  # inductor: the AOTInductor package (its inner folder is named after it)
+HLO_PROTO, HLO_TEXT, JAX_MODULE = "hlo.pb", "hlo.txt", "model.jax"  # xla (and neuron's input)
+COMMAND, NEFF, LOG = "command.txt", "model.neff", "compile.log"  # neuron
+ARTIFACT_FILES = {
+    "export": (PROGRAM,),
+    "inductor": (PACKAGE,),
+    "xla": (HLO_PROTO, HLO_TEXT, JAX_MODULE),
+    "neuron": (HLO_PROTO, HLO_TEXT, COMMAND),  # + NEFF and LOG once compiled
+}
+
+BucketKind = Literal["batch", "chunk"]
+Form = Literal["static", "unbacked"]
+Served = Literal["compiled", "cache", "remote", "uncached"]
 
 
 def artifact_dir(entry_id: str, bucket: int) -> str:
@@ -26,32 +71,199 @@ def artifact_dir(entry_id: str, bucket: int) -> str:
     return f"{ENTRIES_DIR}/{entry_id}/b{bucket}"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# -- records ----------------------------------------------------------------------
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write JSON so that readers see the old file or the new one, never half."""
+@dataclass
+class TensorSpec:
+    """One graph input or output."""
+
+    name: str
+    kind: Literal["weight", "cache", "activation"]
+    shape: list[int]
+    dtype: str
+    stride: list[int]
+    path: str | None  # weights: parameter path inside the instance
+    pad: int | float  # activations: the value padding rows get
+
+
+@dataclass
+class WeightSpec:
+    path: str  # parameter or buffer path inside the instance
+    shape: list[int]
+    dtype: str
+    stride: list[int]
+
+
+@dataclass
+class CacheSpec:
+    shape: list[int]  # the root allocation: layer-major
+    dtype: str
+
+
+@dataclass
+class PassIdentity:
+    name: str
+    uuid: str  # a hash of the pass's source: which version of it runs
+
+
+@dataclass
+class PassRecord:
+    name: str
+    uuid: str
+    changes: int  # sites the pass rewrote in this graph
+
+
+# Backend-specific fields of an artifact, one record type per backend.
+
+
+@dataclass
+class ExportExtra:
+    pass
+
+
+@dataclass
+class InductorExtra:
+    target: str  # what the code was compiled for; checked at load
+
+
+@dataclass
+class XlaExtra:
+    # Input positions of the written caches, in the order of the leading outputs
+    # that hold their updates.
+    mutated: list[int]
+
+
+@dataclass
+class NeuronExtra:
+    mutated: list[int]
+    fp8: bool  # the graph has fp8 tensors: the compiler gets the fp8 flag
+    pending: str | None  # why neuronx-cc did not run yet; None once compiled
+
+
+BackendExtra = ExportExtra | InductorExtra | XlaExtra | NeuronExtra
+EXTRA_TYPES: dict[str, type] = {"export": ExportExtra, "inductor": InductorExtra, "xla": XlaExtra, "neuron": NeuronExtra}
+
+
+@dataclass(kw_only=True)
+class CompiledRecord:
+    """What one compile produced: kept in the compile cache and in the manifest."""
+
+    files: dict[str, str]  # file name in the artifact folder -> sha256
+    inputs: list[TensorSpec]  # caches and activations (weights are the entry's)
+    outputs: list[TensorSpec]
+    form: Form
+    export_s: float
+    compile_s: float
+    cache_key: str
+    passes: list[PassRecord]
+    extra: Any  # the backend's record (EXTRA_TYPES), typed by the reader
+
+
+@dataclass(kw_only=True)
+class ArtifactRecord(CompiledRecord):
+    """One (entry, bucket) artifact of a bundle."""
+
+    bucket: int  # rows: the value of the entry's bucket dimension
+    dims: dict[str, int]  # the bucket's named static dimensions
+    dir: str  # relative to the bundle folder
+    served: Served
+
+    @property
+    def pending(self) -> str | None:
+        return getattr(self.extra, "pending", None)
+
+
+@dataclass
+class EntryRecord:
+    id: str
+    cls: str  # the module class's qualified name
+    method: str
+    bucket_kind: BucketKind
+    split: bool  # rows beyond the largest bucket run as consecutive calls
+    variant: dict[str, Any]  # the attributes that set this variant apart
+    instances: list[str]  # module paths that run this entry
+    weights: list[WeightSpec]
+    artifacts: list[ArtifactRecord]
+
+
+@dataclass
+class ModelRecord:
+    architecture: str
+    model_class: str
+    source: str  # the model folder it was built from (default for `aotc run`)
+    config: dict[str, Any]
+
+
+@dataclass
+class BackendRecord:
+    name: str
+    version: str
+    flags: dict[str, Any]
+
+
+@dataclass
+class ShapesRecord:
+    batch: list[int]
+    chunk: list[int]
+    max_seq: int
+    cache_slots: int  # the largest batch bucket plus one scratch slot
+
+    def buckets(self, kind: BucketKind) -> list[int]:
+        return self.batch if kind == "batch" else self.chunk
+
+
+@dataclass
+class Manifest:
+    format_version: int
+    aotc_version: str
+    created_with: dict[str, str]
+    plugins: list[str]
+    model: ModelRecord
+    backend: BackendRecord
+    shapes: ShapesRecord
+    caches: dict[str, CacheSpec]
+    passes: list[PassIdentity]
+    graphs_traced: int
+    entries: list[EntryRecord]
+
+    def artifacts(self) -> Iterator[tuple[EntryRecord, ArtifactRecord]]:
+        for entry in self.entries:
+            for art in entry.artifacts:
+                yield entry, art
+
+    def pending(self) -> list[tuple[EntryRecord, ArtifactRecord]]:
+        return [(e, a) for e, a in self.artifacts() if a.pending]
+
+    def digest(self) -> str:
+        """The bundle's identity: every record and every file's sha256."""
+        return hashlib.sha256(encode(self)).hexdigest()
+
+
+# -- writing ----------------------------------------------------------------------
+
+
+def encode(record) -> bytes:
+    """A record as indented JSON (dataclass field order: `format_version` first)."""
+    return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    write_atomic(Path(folder) / MANIFEST, encode(manifest))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that readers see the old one or the new one, never half."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-
-
-def manifest_json(manifest: dict) -> dict:
-    """The manifest with `format_version` as its first key, as readers expect."""
-    return {"format_version": FORMAT_VERSION, **{k: v for k, v in manifest.items() if k != "format_version"}}
 
 
 @contextlib.contextmanager
@@ -77,3 +289,165 @@ def bundle_writer(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# -- reading ----------------------------------------------------------------------
+
+
+def decode(data: bytes | str, record_type: type, source: str, error: type[Exception] = BundleError):
+    """Decode JSON into a record type; the error names `source` and the first bad field."""
+    try:
+        return msgspec.json.decode(data, type=record_type)
+    except msgspec.ValidationError as e:
+        raise error(f"{source}: {_field_message(e, msgspec.json.decode(data), record_type)}") from None
+    except msgspec.DecodeError as e:
+        raise error(f"{source}: not valid JSON ({e}); rebuild it (aotc build)") from None
+
+
+def convert(obj, record_type: type, source: str, error: type[Exception] = BundleError):
+    """`decode` for an already parsed JSON value."""
+    try:
+        return msgspec.convert(obj, record_type)
+    except msgspec.ValidationError as e:
+        raise error(f"{source}: {_field_message(e, obj, record_type)}") from None
+
+
+def read_manifest(bundle: Path | str) -> Manifest:
+    """The validated manifest of a bundle folder; every error names the file and field,
+    and every path it names stays inside the bundle folder."""
+    bundle = Path(bundle)
+    file = bundle / MANIFEST
+    if not file.is_file():
+        raise BundleError(f"{bundle}: no {MANIFEST}; expected a bundle folder written by aotc build")
+    manifest = parse_manifest(file.read_bytes(), str(file))
+    root = bundle.resolve()
+    for i, entry in enumerate(manifest.entries):
+        for j, art in enumerate(entry.artifacts):
+            where = f"{file}: entries[{i}].artifacts[{j}]"
+            confined(root, art.dir, f"{where}.dir")
+            for name in art.files:
+                if "/" in name or not _relative(name):
+                    raise BundleError(f"{where}.files: {name!r} must be a file name inside the artifact folder; rebuild the bundle")
+                confined(root, f"{art.dir}/{name}", f"{where}.files[{name!r}]")
+    return manifest
+
+
+def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleError) -> Manifest:
+    """Decode and validate a manifest's JSON: format version, every field's type, backend records."""
+    head = decode(data, Any, source, error)
+    if not isinstance(head, dict):
+        raise error(f"{source}: expected a JSON object, got {_json_type(head)}; rebuild the bundle (aotc build)")
+    version = head.get("format_version")
+    if version != FORMAT_VERSION:
+        raise error(
+            f"{source}: format_version is {version!r} (bundle format {version!r}), this aotc reads format "
+            f"{FORMAT_VERSION} only; rebuild the bundle with this aotc (aotc build)"
+        )
+    manifest = decode(data, Manifest, source, error)
+    extra_type = EXTRA_TYPES.get(manifest.backend.name)
+    if extra_type is None:
+        raise error(f"{source}: backend.name: {manifest.backend.name!r} is not a backend; known: {', '.join(sorted(EXTRA_TYPES))}")
+    for i, entry in enumerate(manifest.entries):
+        kinds = manifest.shapes.buckets(entry.bucket_kind)
+        for j, art in enumerate(entry.artifacts):
+            where = f"{source}: entries[{i}].artifacts[{j}]"
+            art.extra = convert(art.extra, extra_type, f"{where}.extra", error)
+            required = ARTIFACT_FILES[manifest.backend.name] + (() if art.pending or manifest.backend.name != "neuron" else (NEFF, LOG))
+            for name in required:
+                if name not in art.files:
+                    raise error(f"{where}.files: {name!r} is missing; every {manifest.backend.name} artifact has it. Rebuild the bundle")
+            if art.bucket not in kinds:
+                raise error(f"{where}.bucket: {art.bucket} is not one of shapes.{entry.bucket_kind} {kinds}; rebuild the bundle")
+            if art.dims.get(entry.bucket_kind) != art.bucket:
+                raise error(f"{where}.dims: expected {{{entry.bucket_kind!r}: {art.bucket}}}, got {art.dims}; rebuild the bundle")
+    return manifest
+
+
+def confined(root: Path, rel: str, where: str) -> Path:
+    """root/rel, refusing absolute paths, `..` and symlinks that lead outside root."""
+    if not _relative(rel):
+        raise BundleError(f"{where}: {rel!r} must be a relative path inside the bundle, without '..'; rebuild the bundle")
+    path = root / rel
+    if not path.resolve().is_relative_to(root):
+        raise BundleError(f"{where}: {rel!r} leads outside the bundle folder {root} (a symlink); rebuild the bundle")
+    return path
+
+
+def _relative(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return bool(rel) and "\\" not in rel and not p.is_absolute() and ".." not in p.parts
+
+
+def _field_message(e: msgspec.ValidationError, data, record_type: type) -> str:
+    # msgspec: "Expected `int`, got `str` - at `$.entries[2].artifacts[0].bucket`"
+    message, sep, at = str(e).rpartition(" - at ")
+    if not sep:
+        message, at = str(e), "$"
+    path = _name_dict_keys(at.strip("`").removeprefix("$"), data, record_type).removeprefix(".")
+    message = message.replace("`", "")
+    message = message[:1].lower() + message[1:]
+    return f"{path}: {message}" if path else message
+
+
+def _name_dict_keys(path: str, data, record_type) -> str:
+    """msgspec writes a dict value's place as `[...]`; find which key's value is wrong."""
+    import re
+    import typing
+
+    out, node, typ = "", data, record_type
+    for part in re.findall(r"\.\w+|\[\d+\]|\[\.\.\.\]", path):
+        args = typing.get_args(typ)
+        if part.startswith("."):
+            hints = typing.get_type_hints(typ) if dataclasses.is_dataclass(typ) else {}
+            typ, node = hints.get(part[1:], Any), node.get(part[1:]) if isinstance(node, dict) else None
+        elif part == "[...]" and isinstance(node, dict):
+            value_type = args[1] if len(args) == 2 else Any
+            bad = next((k for k, v in node.items() if not _fits(v, value_type)), None)
+            if bad is None:
+                return out + path[len(out) :]
+            part, node, typ = f"[{bad!r}]", node[bad], value_type
+        else:
+            index = int(part[1:-1]) if part != "[...]" else 0
+            node = node[index] if isinstance(node, list) and index < len(node) else None
+            typ = args[0] if args else Any
+        out += part
+    return out
+
+
+def _fits(value, value_type) -> bool:
+    try:
+        msgspec.convert(value, value_type)
+        return True
+    except msgspec.ValidationError:
+        return False
+
+
+def _json_type(value) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+# -- file integrity ---------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bad_file(folder: Path, files: dict[str, str]) -> tuple[Path, str] | None:
+    """The first of `files` (name -> sha256) that is missing or changed in `folder`, and what is wrong."""
+    for name, digest in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return path, "missing"
+        if sha256_file(path) != digest:
+            return path, "sha256 differs from its record (changed or truncated)"
+    return None
+
+
+def as_dict(record) -> dict:
+    """A record as plain JSON data (for --json output and tests)."""
+    return msgspec.to_builtins(record)

@@ -72,8 +72,8 @@ def test_second_build_hits_and_output_folder_does_not_matter(tiny_dir, tmp_path)
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
     assert (second.count("compiled"), second.count("cache")) == (0, 5)
     assert second.graphs_traced == 0  # assembled from the recipe: nothing traced
-    a = {e["id"]: [x["files"] for x in e["artifacts"]] for e in first.manifest["entries"]}
-    b = {e["id"]: [x["files"] for x in e["artifacts"]] for e in second.manifest["entries"]}
+    a = {e.id: [x.files for x in e.artifacts] for e in first.manifest.entries}
+    b = {e.id: [x.files for x in e.artifacts] for e in second.manifest.entries}
     assert a == b
     # Without the recipe, the keys alone still hit.
     shutil.rmtree(cache / "builds")
@@ -106,7 +106,7 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     assert len(LocalCache(cache).entries()) == 10
 
 
-@pytest.mark.skipif(InductorBackend().unavailable() is not None, reason="no C++ compiler for AOTInductor")
+@pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 def test_build_killed_mid_compile_leaves_nothing_served(tiny_dir, tmp_path):
     cache = tmp_path / "cache"
     args = ["build", tiny_dir, "--backend", "inductor", "--jobs", "1", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", cache, "-o", tmp_path / "bundle"]
@@ -244,3 +244,19 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
     out = run("assemble", tiny_dir, tmp_path / "bundle", cache=merged).stdout
     assert "5 hits, 0 misses" in out and "every token matches eager" in out
     assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["graphs_traced"] == 5
+
+
+def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path, monkeypatch):
+    """The key stage traces every (variant, bucket) once; nothing after it traces or keys again."""
+    import aotc.build.key as key_stage
+
+    cache = tmp_path / "cache"
+    first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    shutil.rmtree(cache / "builds")  # no recipe: the deploy build below must trace
+    exports, keys_made = [], []
+    real_export, real_key = torch.export.export, key_stage.cache_key
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real_export(*a, **k))
+    monkeypatch.setattr(key_stage, "cache_key", lambda *a: keys_made.append(1) or real_key(*a))
+    second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, require_cache=True, **OPTIONS))
+    assert second.count("cache") == len(second.artifacts) == first.graphs_traced == 5
+    assert len(exports) == len(keys_made) == 5

@@ -102,6 +102,7 @@ def test_inspect(built):
         (["build", "{model}", "--backend", "inductor", "--compiler-flag", "no.such.config=1"], "--compiler-flag no.such.config: Inductor has no such config"),
         (["build", "{model}", "--backend", "inductor", "--device", "tpu"], "--device 'tpu': expected cpu or cuda"),
         (["build", "{model}", "--backend", "export", "--compiler-flag", "x=1"], "the export backend takes no compiler flags"),
+        (["build", "{model}", "--backend", "export", "--device", "cuda"], "--device cuda: the export backend's artifacts run on the CPU"),
         (["build", "{model}", "--no-cache", "--require-cache"], "--no-cache cannot be combined with --require-cache"),
         (["build"], "aotc build needs MODEL_DIR (or --resume BUNDLE)"),
         (["build", "--resume", "{bundle}"], "built with the export backend, it has nothing to resume"),

@@ -21,7 +21,7 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
-pytestmark = pytest.mark.skipif(InductorBackend().unavailable() is not None, reason="no C++ compiler for AOTInductor")
+pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=96, backend="inductor")
 
@@ -36,7 +36,7 @@ def inductor_bundles(tiny_dir, tmp_path_factory):
 
 
 def files(result):
-    return {(e["id"], a["bucket"]): a["files"] for e in result.manifest["entries"] for a in e["artifacts"]}
+    return {(e.id, a.bucket): a.files for e, a in result.manifest.artifacts()}
 
 
 def test_parallel_build_is_identical_to_serial(inductor_bundles):
@@ -52,12 +52,11 @@ def test_parallel_build_is_identical_to_serial(inductor_bundles):
 def test_packages_hold_no_weights(inductor_bundles):
     """Every parameter is a runtime input: no package has constants baked in."""
     bundle = inductor_bundles[0]
-    for entry in bundle.manifest["entries"]:
-        for art in entry["artifacts"]:
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(bundle.out / art["dir"] / "model.pt2"), "model", True, 1, -1)
-            assert loader.get_constant_fqns() == []
-            in_spec = torch.utils._pytree.treespec_loads(loader.get_call_spec()[0])
-            assert in_spec.num_leaves == len(entry["weights"]) + len(art["inputs"])
+    for entry, art in bundle.manifest.artifacts():
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(bundle.out / art.dir / "model.pt2"), "model", True, 1, -1)
+        assert loader.get_constant_fqns() == []
+        in_spec = torch.utils._pytree.treespec_loads(loader.get_call_spec()[0])
+        assert in_spec.num_leaves == len(entry.weights) + len(art.inputs)
 
 
 @pytest.mark.parametrize("lengths", [(7,), (5, 40, 21)])
@@ -130,6 +129,37 @@ def test_incompatible_target_is_refused(inductor_bundles, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match=r"cannot run here: built with inductor torch-0.0-riscv64-DEFAULT"):
         Bundle.load(copy)
+
+
+def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_needs(inductor_bundles, tmp_path):
+    """A deploy host without g++ loads and runs an inductor bundle; nothing of the
+    tracer, the passes, dynamo or JAX is imported to do it."""
+    import os
+    import subprocess
+    import sys
+
+    bindir = tmp_path / "bin"  # PATH holds the interpreter and nothing else
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bindir)}
+    assert shutil.which("g++", path=env["PATH"]) is None and shutil.which("c++", path=env["PATH"]) is None
+    bundle = inductor_bundles[1].out
+    r = subprocess.run([sys.executable, "-m", "aotc.cli", "run", str(bundle), "--prompt", "Hello", "--max-new-tokens", "4", "--check"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every token matches eager" in r.stdout
+    script = (
+        "import sys\n"
+        "from aotc.models.base import load_model\n"
+        "from aotc.runtime import Bundle, generate\n"
+        f"b = Bundle.load({str(bundle)!r})\n"
+        "loaded = load_model(b.manifest.model.source)\n"
+        "b.bind(loaded.model)\n"
+        "generate(loaded.model, [[1, 2, 3]], 4, max_batch=1, max_seq=b.max_seq, slots=b.cache_slots)\n"
+        "print(sorted(m for m in ('aotc.trace', 'aotc.passes', 'aotc.build', 'torch._dynamo', 'torch._inductor.codegen', 'jax', 'torchax') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
 
 
 def test_default_backend_falls_back_to_export_without_a_compiler(monkeypatch):

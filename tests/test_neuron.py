@@ -25,10 +25,11 @@ from aotc.backends.neuron import FP8_FLAG, NeuronBackend, NeuronOptions, compile
 from aotc.build import BuildOptions, build, resume
 from aotc.cli import app
 from aotc.errors import AotcError, BackendError, BundleError
+from aotc.format import read_manifest
 from aotc.runtime import Bundle
 from aotc.trace import Shapes, find_variants, trace
 
-pytestmark = pytest.mark.skipif(NeuronBackend().unavailable() is not None, reason=str(NeuronBackend().unavailable()))
+pytestmark = pytest.mark.skipif(NeuronBackend().can_compile() is not None, reason=str(NeuronBackend().can_compile()))
 
 FAKES = Path(__file__).parent / "fakes"
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="neuron", use_cache=False)
@@ -103,16 +104,15 @@ def test_compile_with_the_compiler_present(tiny_dir, tmp_path, stand_in, monkeyp
     result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn1", "lnc": 1}, **OPTIONS))
     calls = stand_in()
     assert len(calls) == 5  # one compile per entry and bucket
-    for e in result.manifest["entries"]:
-        for a in e["artifacts"]:
-            folder = result.out / a["dir"]
-            assert set(a["files"]) == {"hlo.pb", "hlo.txt", "command.txt", "model.neff", "compile.log"}
-            assert "pending" not in a["extra"]
-            recorded = shlex.split((folder / "command.txt").read_text())
-            assert recorded[1:] in calls  # the command line kept beside the NEFF is the one that ran
-            assert recorded[recorded.index("--target") + 1] == "trn1" and "--logical-nc-config" in recorded
-            assert "Compiler status PASS" in (folder / "compile.log").read_text()
-    assert "neuronx-cc-2.99.0.0+test-double" in result.manifest["backend"]["version"]
+    for e, a in result.manifest.artifacts():
+        folder = result.out / a.dir
+        assert set(a.files) == {"hlo.pb", "hlo.txt", "command.txt", "model.neff", "compile.log"}
+        assert a.pending is None
+        recorded = shlex.split((folder / "command.txt").read_text())
+        assert recorded[1:] in calls  # the command line kept beside the NEFF is the one that ran
+        assert recorded[recorded.index("--target") + 1] == "trn1" and "--logical-nc-config" in recorded
+        assert "Compiler status PASS" in (folder / "compile.log").read_text()
+    assert "neuronx-cc-2.99.0.0+test-double" in result.manifest.backend.version
 
 
 def test_compiler_error_quotes_the_ncc_code_and_the_log(tiny_dir, tmp_path, stand_in, monkeypatch):
@@ -135,11 +135,9 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "5 artifacts are pending" in said and f"aotc build --resume {out}" in said
-    manifest = json.loads((out / "manifest.json").read_text())
-    for e in manifest["entries"]:
-        for a in e["artifacts"]:
-            assert a["extra"]["pending"] == "neuronx-cc was not on PATH on the build machine"
-            assert set(a["files"]) == {"hlo.pb", "hlo.txt", "command.txt"}
+    for e, a in read_manifest(out).artifacts():
+        assert a.pending == "neuronx-cc was not on PATH on the build machine"
+        assert set(a.files) == {"hlo.pb", "hlo.txt", "command.txt"}
     with pytest.raises(BundleError, match=r"5 artifacts are pending, not compiled .* aotc build --resume"):
         Bundle.load(out)
     r = runner.invoke(app, ["run", str(out)])
@@ -156,11 +154,10 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     assert r.exit_code == 0, r.output
     assert "compiled 5 pending artifacts" in r.output
     assert len(calls.read_text().splitlines()) == 5
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert "neuronx-cc-2.99.0.0+test-double" in manifest["backend"]["version"]
-    for e in manifest["entries"]:
-        for a in e["artifacts"]:
-            assert "pending" not in a["extra"] and "model.neff" in a["files"]
+    manifest = read_manifest(out)
+    assert "neuronx-cc-2.99.0.0+test-double" in manifest.backend.version
+    for e, a in manifest.artifacts():
+        assert a.pending is None and "model.neff" in a.files
     assert " ".join(runner.invoke(app, ["build", "--resume", str(out)]).output.split()).endswith("nothing pending")
     if importlib.util.find_spec("nrtpy") is None:
         with pytest.raises(BackendError, match="running NEFFs needs the Neuron runtime's Python API"):

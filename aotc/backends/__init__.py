@@ -1,5 +1,5 @@
-"""Backends: export (reference) | inductor | xla | neuron."""
+"""Backends: one file each, registered by name (base.py has the contract)."""
 
-from .base import Backend, CompileResult, Runner, backend_names, get_backend, register_backend
+from .base import Backend, CompileResult, Progress, Runner, backend_names, get_backend, register_backend
 
-__all__ = ["Backend", "CompileResult", "Runner", "backend_names", "get_backend", "register_backend"]
+__all__ = ["Backend", "CompileResult", "Progress", "Runner", "backend_names", "get_backend", "register_backend"]

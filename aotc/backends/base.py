@@ -1,7 +1,10 @@
-"""The backend contract: name, version, availability, compile and load.
+"""The backend contract: name, version, what it needs, compile, load, finish.
 
 A backend imports its vendor SDK only inside its methods, so the CLI and the
-other backends work on a machine without that SDK.
+other backends work on a machine without that SDK. What compiling needs
+(`can_compile`) is not what loading needs (`can_load`): a deploy host runs
+inductor packages without a C++ compiler, and NEFFs without JAX. This module
+imports neither the tracer nor the passes, so loading a bundle does not either.
 """
 
 from __future__ import annotations
@@ -9,33 +12,55 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
 from ..errors import BackendError, did_you_mean
-from ..trace import TracedGraph
+from ..format import ArtifactRecord, BackendExtra, ExportExtra
+
+if TYPE_CHECKING:
+    from ..format import Manifest
+    from ..trace import TracedGraph
 
 # A loaded artifact: takes the flat graph inputs (weights, then the method's
 # arguments) and returns the flat outputs.
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# progress(event, **info): "entry" (id, total) when a group of work starts, "done" (id, bucket) per item
+Progress = Callable[..., None]
 
 
 @dataclass
 class CompileResult:
     files: list[str]  # relative to the artifact folder
-    extra: dict = field(default_factory=dict)  # backend-specific manifest fields
+    extra: BackendExtra = field(default_factory=ExportExtra)  # the backend's typed manifest record
 
 
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # Peak memory of one compile in GB, which bounds parallel compiles (`--jobs`
+    # default); None where a compile is a cheap file write, done in the build's process.
+    compile_memory_gb: ClassVar[int | None] = None
+
+    @classmethod
+    def from_options(cls, device: str, flags: dict) -> "Backend":
+        """The backend for `aotc build --device D --compiler-flag K=V ...`."""
+        if flags:
+            raise BackendError(f"--compiler-flag: the {cls.name} backend takes no compiler flags")
+        if device != "cpu":
+            raise BackendError(f"--device {device}: the {cls.name} backend's artifacts run on the CPU; use --backend inductor for cuda")
+        return cls()
 
     @abc.abstractmethod
     def version(self) -> str:
         """Everything about the compiler that changes its output; goes into cache keys."""
 
-    def unavailable(self) -> str | None:
-        """None when usable here, else what is missing and how to get it."""
+    def can_compile(self) -> str | None:
+        """None when this machine can compile with the backend, else what is missing and how to get it."""
+        return None
+
+    def can_load(self) -> str | None:
+        """None when this machine can load and run the backend's artifacts, else what is missing."""
         return None
 
     def flags(self) -> dict:
@@ -46,19 +71,27 @@ class Backend(abc.ABC):
         """Which backend-specific passes run on its graphs (aotc.passes.BACKEND_PASSES)."""
         return None
 
-    def incompatible(self, built: dict) -> str | None:
-        """Why artifacts built as `built` (the manifest's backend record) cannot run here, or None."""
-        if built.get("version") != self.version():
-            return f"built with {self.name} {built.get('version')}, this machine has {self.version()}"
+    def incompatible(self, manifest: "Manifest") -> str | None:
+        """Why artifacts built as the manifest says cannot run here, or None."""
+        built = manifest.backend.version
+        if built != self.version():
+            return f"built with {self.name} {built}, this machine has {self.version()}"
         return None
 
     @abc.abstractmethod
-    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
         """Compile one traced graph into files under out_dir."""
 
     @abc.abstractmethod
-    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
-        """Load one compiled artifact; `entry` is its manifest record."""
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+        """Load one compiled artifact from its folder; `record` is its manifest record."""
+
+    def finish(self, bundle: Path, manifest: "Manifest", jobs: int | None, progress: Progress) -> list[ArtifactRecord]:
+        """Complete the artifacts of a bundle that the build machine could not (`aotc build --resume`).
+
+        Returns the artifacts completed; `manifest` is updated in place for the caller to write.
+        """
+        return []
 
 
 _BACKENDS: dict[str, type[Backend]] = {}
@@ -81,11 +114,21 @@ def get_backend_class(name: str) -> type[Backend]:
     return _BACKENDS[name]
 
 
-def get_backend(name: str, **options) -> Backend:
+def parallel_jobs(tasks: int, gb_per_job: int) -> int:
+    """Processes that fit: bounded by cores, free memory and the work there is."""
+    import os
+
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(os.cpu_count() or 1, free // (gb_per_job << 30), tasks))
+
+
+def get_backend(name: str, purpose: str = "compile", **options) -> Backend:
+    """A backend instance that can `purpose` ("compile" or "load") on this machine."""
     backend = get_backend_class(name)(**options)
-    why = backend.unavailable()
+    why = backend.can_compile() if purpose == "compile" else backend.can_load()
     if why:
-        raise BackendError(f"backend {name!r} is not available here: {why}")
+        verb = "compile" if purpose == "compile" else "load bundles"
+        raise BackendError(f"backend {name!r} cannot {verb} here: {why}")
     return backend
 
 

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import torch
 
-from ..trace import TracedGraph
+from typing import TYPE_CHECKING
+
+from ..format import PROGRAM, ArtifactRecord
 from .base import Backend, CompileResult, Runner, register_backend
 
-PROGRAM = "program.pt2"
+if TYPE_CHECKING:
+    from ..trace import TracedGraph
+
 
 
 @register_backend
@@ -23,7 +27,7 @@ class ExportBackend(Backend):
     def version(self) -> str:
         return f"torch-{torch.__version__}"
 
-    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
         program = graph.program
         # Example inputs are fake tensors (the build never reads weights);
         # they are not needed to run the program, so they are not saved.
@@ -31,7 +35,7 @@ class ExportBackend(Backend):
         torch.export.save(program, str(out_dir / PROGRAM))
         return CompileResult([PROGRAM])
 
-    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         program = torch.export.load(str(art_dir / PROGRAM))
         # Every input is a user input, so the graph module takes the flat list
         # as is; this skips ExportedProgram.module()'s pytree and state handling.

@@ -18,11 +18,15 @@ from pathlib import Path
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from ..errors import BackendError
-from ..trace import TracedGraph
+from ..format import PACKAGE, ArtifactRecord, InductorExtra
 from .base import Backend, CompileResult, Runner, register_backend
 
-PACKAGE = "model.pt2"  # one name everywhere: the archive's inner folder is named after it
+if TYPE_CHECKING:
+    from ..trace import TracedGraph
+
 SERIALIZATION_ID = ".data/serialization_id"
 # AOTInductor appends the gcc command lines (with this machine's temp paths) to
 # the sources it packages, on some code paths and not others.
@@ -39,6 +43,11 @@ def cpu_target() -> str:
 @register_backend
 class InductorBackend(Backend):
     name = "inductor"
+    compile_memory_gb = 2
+
+    @classmethod
+    def from_options(cls, device: str, flags: dict) -> "InductorBackend":
+        return cls(device=device, config=flags)
 
     def __init__(self, device: str = "cpu", config: dict | None = None):
         if device not in ("cpu", "cuda"):
@@ -62,13 +71,17 @@ class InductorBackend(Backend):
             return f"cuda-sm{major}{minor}-{torch.version.cuda}"
         return cpu_target()
 
-    def unavailable(self) -> str | None:
+    def can_compile(self) -> str | None:
         if self.device == "cuda":
-            if not torch.cuda.is_available():
-                return "--device cuda needs a CUDA GPU and a CUDA build of torch; this machine has neither"
-            return None
+            return self.can_load()
         if shutil.which("g++") is None and shutil.which("c++") is None:
             return "AOTInductor compiles C++ and no g++ or c++ is on PATH; install one (e.g. apt install g++) or use --backend export"
+        return None
+
+    def can_load(self) -> str | None:
+        # A package is a shared object: running it needs no compiler, only the device.
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return "--device cuda needs a CUDA GPU and a CUDA build of torch; this machine has neither"
         return None
 
     def flags(self) -> dict:
@@ -77,16 +90,16 @@ class InductorBackend(Backend):
     def pass_target(self) -> str | None:
         return f"inductor-{self.device}"
 
-    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
         from torch._inductor import aoti_compile_and_package
 
         with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
             raw = Path(tmp) / PACKAGE
             aoti_compile_and_package(graph.program, package_path=str(raw), inductor_configs=dict(self.config))
             normalize_package(raw, out_dir / PACKAGE)
-        return CompileResult([PACKAGE], {"target": self.target()})
+        return CompileResult([PACKAGE], InductorExtra(self.target()))
 
-    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         # aoti_load_package() first probes the compiler for the CPU's vector ISA
         # (about 0.9 s of subprocesses per process) only to log a warning on a
         # mismatch; the bundle checks its target itself (Bundle.load). Remove

@@ -11,6 +11,7 @@ ones. NEFFs are run through the Neuron runtime's Python API (nrtpy).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import re
 import shlex
@@ -22,22 +23,24 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BackendError
-from ..trace import TracedGraph
+from typing import TYPE_CHECKING
+
+from ..errors import AotcError, BackendError
+from ..format import COMMAND, LOG, NEFF, ArtifactRecord, NeuronExtra, sha256_file
 from . import xla
-from .base import Backend, CompileResult, Runner, register_backend
+from .base import Backend, CompileResult, Progress, Runner, parallel_jobs, register_backend
+
+if TYPE_CHECKING:
+    from ..format import Manifest
+    from ..trace import TracedGraph
 
 COMPILER = "neuronx-cc"
-NEFF = "model.neff"
-COMMAND = "command.txt"
-LOG = "compile.log"
 TARGETS = ("trn1", "trn2", "inf2")
 AUTO_CAST = ("none", "matmult", "all")
 AUTO_CAST_TYPES = ("bf16", "fp16", "tf32", "fp8_e4m3")
 # trn2 reads float8_e4m3fn bytes as IEEE e4m3; aotc rescales fp8 weights to
 # match (aotc/fp8.py), and this tells the compiler to accept e4m3fn graphs.
 FP8_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
-GB_PER_COMPILE = 8  # neuronx-cc's peak memory for one decoder-layer graph, order of magnitude
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> 
     return cmd + ["--output", neff]
 
 
-def has_fp8(graph: TracedGraph) -> bool:
+def has_fp8(graph: "TracedGraph") -> bool:
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
     return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in graph.graph_module.graph.nodes)
 
@@ -107,7 +110,7 @@ def run_compiler(cmd: list[str], cwd: Path) -> None:
         proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode == -signal.SIGKILL:
         raise BackendError(
-            f"{COMPILER} was killed by signal 9, most likely for lack of memory (about {GB_PER_COMPILE} GB per compile); "
+            f"{COMPILER} was killed by signal 9, most likely for lack of memory (about {NeuronBackend.compile_memory_gb} GB per compile); "
             f"compile fewer graphs at once with --jobs N. Log: {log}"
         )
     if proc.returncode != 0:
@@ -121,6 +124,13 @@ def run_compiler(cmd: list[str], cwd: Path) -> None:
 @register_backend
 class NeuronBackend(Backend):
     name = "neuron"
+    compile_memory_gb = 8  # neuronx-cc's peak for one decoder-layer graph, order of magnitude
+
+    @classmethod
+    def from_options(cls, device: str, flags: dict) -> "NeuronBackend":
+        if device != "cpu":
+            raise BackendError(f"--device {device}: the neuron backend compiles for Trainium; leave --device out")
+        return cls(**flags)
 
     def __init__(self, **options):
         try:
@@ -132,8 +142,17 @@ class NeuronBackend(Backend):
     def version(self) -> str:
         return f"{xla.XlaBackend().version()}-neuronx-cc-{compiler_version() or 'absent'}"
 
-    def unavailable(self) -> str | None:
-        return xla.XlaBackend().unavailable()
+    def can_compile(self) -> str | None:
+        # Without neuronx-cc the build still lowers to HLO and leaves the compile pending.
+        return xla.XlaBackend().can_compile()
+
+    def can_load(self) -> str | None:
+        if importlib.util.find_spec("nrtpy") is None:
+            return (
+                "running NEFFs needs the Neuron runtime's Python API (nrtpy, from the Neuron SDK, with "
+                "torch-neuronx) on a Trainium or Inferentia host; it is not installed here"
+            )
+        return None
 
     def flags(self) -> dict:
         return asdict(self.options)
@@ -141,36 +160,67 @@ class NeuronBackend(Backend):
     def pass_target(self) -> str | None:
         return "neuron"
 
-    def incompatible(self, built: dict) -> str | None:
+    def incompatible(self, manifest) -> str | None:
         # A NEFF needs the Neuron runtime, not the compiler that made it: run hosts
         # need not have neuronx-cc, or the build machine's version of it.
         return None
 
-    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
         lowered = xla.lower(graph)
         (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
-        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, has_fp8(graph))
+        fp8 = has_fp8(graph)
+        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
+        # For people reading the bundle; --resume rebuilds the command from the typed flags.
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
         files = [xla.HLO_PROTO, xla.HLO_TEXT, COMMAND]
-        extra = {"mutated": lowered.mutated}
         if compiler_version() is None:
-            return CompileResult(files, {**extra, "pending": f"{COMPILER} was not on PATH on the build machine"})
+            return CompileResult(files, NeuronExtra(lowered.mutated, fp8, f"{COMPILER} was not on PATH on the build machine"))
         run_compiler(cmd, out_dir)
-        return CompileResult(files + [NEFF, LOG], extra)
+        return CompileResult(files + [NEFF, LOG], NeuronExtra(lowered.mutated, fp8, None))
 
-    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
-        if importlib.util.find_spec("nrtpy") is None:
-            raise BackendError(
-                "running NEFFs needs the Neuron runtime's Python API (nrtpy, from the Neuron SDK, with "
-                "torch-neuronx) on a Trainium or Inferentia host; it is not installed here"
-            )
+    def finish(self, bundle: Path, manifest: "Manifest", jobs: int | None, progress: Progress) -> list[ArtifactRecord]:
+        """Run neuronx-cc on each pending artifact's HLO, with the command made from the
+        manifest's typed flags (never from the bundle's command.txt), then record the NEFFs."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..format import confined
+
+        pending = manifest.pending()
+        if not pending:
+            return []
+        version = compiler_version()
+        if version is None:
+            raise AotcError(f"--resume {bundle}: {COMPILER} is not on PATH; run this on a host with the Neuron SDK")
+        root = Path(bundle).resolve()
+        for e, a in pending:
+            progress("entry", id=f"{e.id} b{a.bucket}", total=1)
+
+        def compile_one(item):
+            e, a = item
+            folder = confined(root, a.dir, f"{e.id} bucket {a.bucket}")
+            run_compiler(compiler_command(self.options, xla.HLO_PROTO, NEFF, a.extra.fp8), folder)
+            progress("done", id=f"{e.id} b{a.bucket}", bucket=a.bucket)
+
+        with ThreadPoolExecutor(max_workers=jobs or parallel_jobs(len(pending), self.compile_memory_gb)) as pool:  # each compile is a subprocess
+            list(pool.map(compile_one, pending))
+        for e, a in pending:
+            folder = root / a.dir
+            for name in (NEFF, LOG):
+                a.files[name] = sha256_file(folder / name)
+            a.extra.pending = None
+            # The artifact now depends on the compiler too.
+            a.cache_key = hashlib.sha256(f"{a.cache_key}:{COMPILER}-{version}".encode()).hexdigest()
+        manifest.backend.version = self.version()
+        return [a for _, a in pending]
+
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         import nrtpy
 
         model = nrtpy.NrtpyModel.load_from_neff(str(art_dir / NEFF))
         in_names = list(model.input_tensors_info)
         out_names = list(model.output_tensors_info)
-        mutated = entry["extra"]["mutated"]
+        mutated = record.extra.mutated
 
         def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
             # The HLO's parameters and results are positional, in the graph's order.
@@ -182,9 +232,3 @@ class NeuronBackend(Backend):
 
         return run
 
-
-def default_jobs(tasks: int) -> int:
-    import os
-
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1, min(os.cpu_count() or 1, free // (GB_PER_COMPILE << 30), tasks))

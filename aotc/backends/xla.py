@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from ..errors import BackendError
-from ..trace import TracedGraph
+from ..format import HLO_PROTO, HLO_TEXT, JAX_MODULE, ArtifactRecord, XlaExtra
 from .base import Backend, CompileResult, Runner, register_backend
 
-HLO_PROTO = "hlo.pb"
-HLO_TEXT = "hlo.txt"
-JAX_MODULE = "model.jax"
+if TYPE_CHECKING:
+    from ..trace import TracedGraph
+
 INSTALL = "pip install 'aotc[xla]' (jax and torchax)"
 
 
@@ -107,7 +109,7 @@ class Lowered:
     mutated: list[int]
 
 
-def lower(graph: TracedGraph) -> Lowered:
+def lower(graph: "TracedGraph") -> Lowered:
     """The traced graph as one XLA computation: f(*inputs) -> (*updated caches, *outputs)."""
     torchax = import_torchax()
     import jax
@@ -153,23 +155,37 @@ class XlaBackend(Backend):
         torchax = import_torchax()
         return f"torch-{torch.__version__}-jax-{jax.__version__}-torchax-{getattr(torchax, '__version__', '?')}"
 
-    def unavailable(self) -> str | None:
+    def can_compile(self) -> str | None:
         missing = [m for m in ("jax", "torchax") if importlib.util.find_spec(m) is None]
         return f"{' and '.join(missing)} not installed: {INSTALL}" if missing else None
 
-    def compile(self, graph: TracedGraph, out_dir: Path) -> CompileResult:
+    def can_load(self) -> str | None:
+        # model.jax is a jax.export module: running it needs JAX only, not torchax.
+        return None if importlib.util.find_spec("jax") else f"jax not installed: {INSTALL}"
+
+    def pass_target(self) -> str | None:
+        return "xla"
+
+    def incompatible(self, manifest) -> str | None:
+        # Running needs the JAX that serialized model.jax, not the torchax that lowered it.
+        import jax
+
+        if f"-jax-{jax.__version__}-" not in manifest.backend.version:
+            return f"built with {manifest.backend.version}, this machine has jax {jax.__version__}"
+        return None
+
+    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
         lowered = lower(graph)
         (out_dir / HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / HLO_TEXT).write_text(lowered.hlo_text)
         (out_dir / JAX_MODULE).write_bytes(lowered.jax_module)
-        return CompileResult([HLO_PROTO, HLO_TEXT, JAX_MODULE], {"mutated": lowered.mutated})
+        return CompileResult([HLO_PROTO, HLO_TEXT, JAX_MODULE], XlaExtra(lowered.mutated))
 
-    def load(self, art_dir: Path, files: list[str], entry: dict) -> Runner:
-        import_torchax()
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         import jax
 
         exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
-        mutated = entry["extra"]["mutated"]
+        mutated = record.extra.mutated
         call = jax.jit(exported.call)
 
         def run(args: list[torch.Tensor]) -> list[torch.Tensor]:

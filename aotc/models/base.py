@@ -100,7 +100,6 @@ class LoadedModel:
     config: object
     config_dict: dict
     dir: Path
-    fake_mode: FakeTensorMode | None  # set when the weights are fake (build)
 
 
 def parse_config(model_dir: Path) -> tuple[dict, Architecture, object]:
@@ -125,11 +124,11 @@ def load_model(model_dir: Path | str, *, weights: bool = True) -> LoadedModel:
         with fake_mode:
             model = arch.model_class(config)
         _check_checkpoint(model, checkpoint)
-        return LoadedModel(model.eval(), arch, config, config_dict, model_dir, fake_mode)
+        return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
     with torch.device("meta"), _SkipInit():
         model = arch.model_class(config)
     _load_weights(model, checkpoint)
-    return LoadedModel(model.eval(), arch, config, config_dict, model_dir, None)
+    return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
 
 
 class _SkipInit(TorchFunctionMode):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import ConfigError
 
@@ -25,6 +25,14 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
+
+
+class ModelConfig:
+    """Base of every architecture's config dataclass (built by its `from_hf(ConfigReader)`)."""
+
+    # Fields that change what the runtime does but not the compiled graphs (e.g. the
+    # end-of-sequence tokens): a bundle runs with a model whose config differs only there.
+    RUNTIME_ONLY: ClassVar[tuple[str, ...]] = ("eos_token_ids",)
 
 
 class ConfigReader:

@@ -51,7 +51,7 @@ from torch import nn
 from ..entry import entry
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
-from .config import ConfigReader
+from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -61,7 +61,7 @@ ROPE_TYPES = ("default", "yarn")
 
 
 @dataclass
-class DeepseekV4Config:
+class DeepseekV4Config(ModelConfig):
     vocab_size: int
     hidden_size: int
     moe_intermediate_size: int
@@ -94,7 +94,6 @@ class DeepseekV4Config:
     tie_word_embeddings: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
-    RUNTIME_ONLY = ("eos_token_ids",)
 
     @classmethod
     def from_hf(cls, cfg: ConfigReader) -> "DeepseekV4Config":

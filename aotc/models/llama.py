@@ -21,14 +21,14 @@ from torch import nn
 from ..entry import entry
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
-from .config import ConfigReader
+from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(ModelConfig):
     model_type: str
     vocab_size: int
     hidden_size: int

@@ -30,6 +30,14 @@ def register_architecture(*, model_types: tuple[str, ...], architectures: tuple[
     """Class decorator registering a `CausalLM` subclass for these config.json values."""
 
     def register(cls):
+        from .config import ModelConfig
+
+        config_class = getattr(cls, "config_class", None)
+        if not (isinstance(config_class, type) and issubclass(config_class, ModelConfig)):
+            raise ConfigError(
+                f"@register_architecture on {cls.__qualname__}: its config_class must be a subclass of "
+                f"aotc.ModelConfig, got {config_class!r}; declare `class MyConfig(aotc.ModelConfig)`"
+            )
         arch = Architecture(name or model_types[0], cls, tuple(model_types), tuple(architectures))
         _BY_NAME[arch.name] = arch
         return cls

@@ -1,9 +1,12 @@
-"""Loading a bundle and binding it to a model's instances."""
+"""Loading a bundle and binding it to a model's instances.
+
+Loading needs what running needs: the manifest reader, the backend's loader
+and the model's eager code; never the tracer, the passes or a compiler.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +16,7 @@ from torch import nn
 
 from ..backends import Runner, get_backend
 from ..errors import BundleError
-from ..format import FORMAT_VERSION, MANIFEST, sha256_file
+from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
@@ -23,7 +26,7 @@ from .dispatch import Dispatcher
 @dataclass
 class Bundle:
     dir: Path
-    manifest: dict
+    manifest: Manifest
     runners: dict[tuple[str, int], Runner]  # (entry id, bucket) -> loaded artifact
     load_s: float
 
@@ -33,58 +36,53 @@ class Bundle:
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
-        load_plugins(manifest.get("plugins", []))
-        pending = [f"{e['id']} bucket {a['bucket']}" for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending")]
+        load_plugins(manifest.plugins)
+        pending = manifest.pending()
         if pending:
-            reason = next(a["extra"]["pending"] for e in manifest["entries"] for a in e["artifacts"] if a.get("extra", {}).get("pending"))
+            names = ", ".join(f"{e.id} bucket {a.bucket}" for e, a in pending)
             raise BundleError(
-                f"{path}: {len(pending)} artifacts are pending, not compiled ({reason}): {', '.join(pending)}. "
+                f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
             )
-        built = manifest["backend"]
-        backend = get_backend(built["name"], **built.get("flags", {}))
-        why = backend.incompatible(built)
+        backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
+        why = backend.incompatible(manifest)
         if why:
             raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
         runners = {}
-        for entry in manifest["entries"]:
-            for art in entry["artifacts"]:
-                art_dir = path / art["dir"]
-                for name, digest in art["files"].items():
-                    file = art_dir / name
-                    if not file.is_file():
-                        raise BundleError(f"{file}: missing from the bundle; rebuild it with aotc build")
-                    if sha256_file(file) != digest:
-                        raise BundleError(f"{file}: sha256 differs from manifest.json; the file was changed or truncated, rebuild the bundle")
-                runners[(entry["id"], art["bucket"])] = backend.load(art_dir, list(art["files"]), art)
+        for entry, art in manifest.artifacts():
+            art_dir = path / art.dir
+            bad = bad_file(art_dir, art.files)
+            if bad:
+                raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+            runners[(entry.id, art.bucket)] = backend.load(art_dir, art)
         return cls(path, manifest, runners, time.perf_counter() - t0)
 
     @property
     def device(self) -> str:
-        return self.manifest["backend"]["flags"].get("device", "cpu")
+        return self.manifest.backend.flags.get("device", "cpu")
 
     @property
     def max_batch(self) -> int:
-        return max(self.manifest["shapes"]["batch"])
+        return max(self.manifest.shapes.batch)
 
     @property
     def max_seq(self) -> int:
-        return self.manifest["shapes"]["max_seq"]
+        return self.manifest.shapes.max_seq
 
     @property
     def cache_slots(self) -> int:
-        return self.manifest["shapes"]["cache_slots"]
+        return self.manifest.shapes.cache_slots
 
     def check_model(self, loaded: LoadedModel) -> None:
         """The model folder must have the config and weight shapes the bundle was built for."""
-        built = self.manifest["model"]
-        if loaded.arch.name != built["architecture"]:
-            raise BundleError(f"{self.dir} was built for a {built['architecture']} model; {loaded.dir} is {loaded.arch.name}")
+        built = self.manifest.model
+        if loaded.arch.name != built.architecture:
+            raise BundleError(f"{self.dir} was built for a {built.architecture} model; {loaded.dir} is {loaded.arch.name}")
         config_class = type(loaded.config)
         ours = dataclasses.asdict(loaded.config)
-        theirs = dataclasses.asdict(config_class.from_hf(ConfigReader(built["config"], f"{self.dir}/{MANIFEST}")))
+        theirs = dataclasses.asdict(config_class.from_hf(ConfigReader(built.config, f"{self.dir}/{MANIFEST}")))
         for key in ours:
-            if key in getattr(config_class, "RUNTIME_ONLY", ()):
+            if key in config_class.RUNTIME_ONLY:
                 continue
             if ours[key] != theirs[key]:
                 raise BundleError(
@@ -94,15 +92,15 @@ class Bundle:
 
     def bind(self, model: nn.Module) -> None:
         """Replace each entry method of each instance with its compiled dispatcher."""
-        for entry in self.manifest["entries"]:
-            runners = {art["bucket"]: self.runners[(entry["id"], art["bucket"])] for art in entry["artifacts"]}
-            for path in entry["instances"]:
+        for entry in self.manifest.entries:
+            runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
+            for path in entry.instances:
                 try:
                     instance = model.get_submodule(path)
                 except AttributeError:
-                    raise BundleError(f"{self.dir}: entry {entry['id']} is for module {path!r}, which the model does not have") from None
-                weights = [_weight(instance, path, w, self.dir) for w in entry["weights"]]
-                setattr(instance, entry["method"], Dispatcher(entry, runners, weights))
+                    raise BundleError(f"{self.dir}: entry {entry.id} is for module {path!r}, which the model does not have") from None
+                weights = [_weight(instance, path, w, self.dir) for w in entry.weights]
+                setattr(instance, entry.method, Dispatcher(entry, runners, weights))
 
     @staticmethod
     def unbind(model: nn.Module) -> None:
@@ -113,22 +111,8 @@ class Bundle:
                     delattr(module, name)
 
 
-def read_manifest(path: Path) -> dict:
-    file = Path(path) / MANIFEST
-    if not file.is_file():
-        raise BundleError(f"{path}: no {MANIFEST}; expected a bundle folder written by aotc build")
-    try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{file}: not valid JSON ({e}); rebuild the bundle") from None
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise BundleError(f"{file}: bundle format {version}, this aotc reads format {FORMAT_VERSION}; rebuild the bundle")
-    return manifest
-
-
-def _weight(instance: nn.Module, path: str, spec: dict, bundle: Path) -> torch.Tensor:
-    name = spec["path"]
+def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:
+    name = spec.path
     try:
         t = instance.get_parameter(name)
     except AttributeError:
@@ -136,15 +120,15 @@ def _weight(instance: nn.Module, path: str, spec: dict, bundle: Path) -> torch.T
             t = instance.get_buffer(name)
         except AttributeError:
             raise BundleError(f"{bundle}: {path}.{name} is a graph input but the model has no such parameter") from None
-    if list(t.shape) != spec["shape"] or str(t.dtype).removeprefix("torch.") != spec["dtype"]:
+    if list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
         raise BundleError(
             f"weight {path}.{name} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
-            f"{spec['shape']} {spec['dtype']}; rebuild the bundle for these weights' shapes"
+            f"{spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
         )
-    if "stride" in spec and list(t.stride()) != spec["stride"]:
+    if list(t.stride()) != spec.stride:
         # Compiled code indexes weights with the traced strides: other strides would run silently wrong.
         raise BundleError(
             f"weight {path}.{name} has strides {list(t.stride())}, but bundle {bundle} was built for "
-            f"{spec['stride']}; make it contiguous (tensor.contiguous()) before binding"
+            f"{spec.stride}; make it contiguous (tensor.contiguous()) before binding"
         )
     return t.detach()

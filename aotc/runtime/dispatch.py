@@ -12,26 +12,30 @@ from __future__ import annotations
 import torch
 
 from ..errors import BundleError
+from ..format import EntryRecord
 
 
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BundleError(f"manifest.json: input dtype {name!r} is not a torch dtype; rebuild the bundle")
+    return dtype
 
 
 class Dispatcher:
-    def __init__(self, entry: dict, runners: dict, weights: list[torch.Tensor]):
-        self.entry_id = entry["id"]
-        self.split = entry["split"]
+    def __init__(self, entry: EntryRecord, runners: dict, weights: list[torch.Tensor]):
+        self.entry_id = entry.id
+        self.split = entry.split
         self.runners = runners
         self.weights = weights
         self.buckets = sorted(runners)
-        args = entry["artifacts"][0]["inputs"]
-        self.names = [a["name"] for a in args]
-        self.is_cache = [a["kind"] == "cache" for a in args]
-        self.pads = [a["pad"] for a in args]
-        self.dtypes = [_dtype(a["dtype"]) for a in args]
-        self.cache_layout = [(tuple(a["shape"]), tuple(a["stride"])) if a["kind"] == "cache" else None for a in args]
-        self.single = len(entry["artifacts"][0]["outputs"]) == 1
+        args = entry.artifacts[0].inputs
+        self.names = [a.name for a in args]
+        self.is_cache = [a.kind == "cache" for a in args]
+        self.pads = [a.pad for a in args]
+        self.dtypes = [_dtype(a.dtype) for a in args]
+        self.cache_layout = [(tuple(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in args]
+        self.single = len(entry.artifacts[0].outputs) == 1
         self.first_act = self.is_cache.index(False)
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]

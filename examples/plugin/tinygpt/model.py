@@ -21,7 +21,7 @@ import aotc
 
 
 @dataclass
-class TinyGPTConfig:
+class TinyGPTConfig(aotc.ModelConfig):
     vocab_size: int
     n_embd: int
     n_layer: int
@@ -30,7 +30,6 @@ class TinyGPTConfig:
     layer_norm_epsilon: float
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple = ()
-    RUNTIME_ONLY = ("eos_token_ids",)
 
     @classmethod
     def from_hf(cls, cfg) -> "TinyGPTConfig":

@@ -12,7 +12,6 @@ nothing serves. Every file's sha256 is checked each time an entry is served.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -24,15 +23,24 @@ from typing import Callable
 
 from filelock import FileLock
 
-from .errors import AotcError
-from .format import sha256_file, write_json_atomic
+from ..errors import AotcError
+from ..format import CompiledRecord, bad_file, decode, encode, write_atomic
 
 ENV = "AOTC_CACHE_DIR"
-RECORD = "record.json"
+RECORD = "record.json"  # an entry's CompiledRecord, written last
 
 
 class CacheError(AotcError):
     """A cache entry is corrupt, or a required entry is missing."""
+
+
+def read_record(data: bytes, source: str) -> CompiledRecord:
+    """A validated cache record: its files are plain names inside the entry's folder."""
+    record = decode(data, CompiledRecord, source, CacheError)
+    for name in record.files:
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise CacheError(f"{source}: files: {name!r} is not a file name; delete the entry (aotc cache prune --max-size 0)")
+    return record
 
 
 def default_root() -> Path:
@@ -46,7 +54,7 @@ def default_root() -> Path:
 class Entry:
     key: str
     dir: Path
-    record: dict
+    record: CompiledRecord
 
     @property
     def size(self) -> int:
@@ -74,19 +82,15 @@ class LocalCache:
         record_file = path / RECORD
         if not record_file.is_file():
             return None
-        record = json.loads(record_file.read_text())
-        for name, digest in record["files"].items():
-            file = path / name
-            if not file.is_file() or sha256_file(file) != digest:
-                raise CacheError(
-                    f"{file}: sha256 differs from its cache record (changed or truncated); "
-                    f"delete {path} (or run `aotc cache prune --max-size 0`) and build again"
-                )
+        record = read_record(record_file.read_bytes(), str(record_file))
+        bad = bad_file(path, record.files)
+        if bad:
+            raise CacheError(f"{bad[0]}: {bad[1]}; delete {path} (or run `aotc cache prune --max-size 0`) and build again")
         os.utime(record_file)  # last use, for `aotc cache prune`
         return Entry(key, path, record)
 
-    def put(self, key: str, make: Callable[[Path], dict | None]) -> Entry | None:
-        """Run make(tmp_dir) -> record (with "files": {name: sha256}) and publish it as `key`.
+    def put(self, key: str, make: Callable[[Path], CompiledRecord | None]) -> Entry | None:
+        """Run make(tmp_dir) -> record and publish it as `key`.
 
         The caller holds the key's lock. Only a complete, verified folder is
         renamed into place; if make returns None, nothing is published.
@@ -98,10 +102,10 @@ class LocalCache:
             if record is None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return None
-            for name, digest in record["files"].items():
-                if sha256_file(tmp / name) != digest:
-                    raise CacheError(f"{tmp / name}: changed while being written to the cache")
-            write_json_atomic(tmp / RECORD, record)
+            bad = bad_file(tmp, record.files)
+            if bad:
+                raise CacheError(f"{bad[0]}: {bad[1]} while being written to the cache")
+            write_atomic(tmp / RECORD, encode(record))
             dest = self.path(key)
             dest.parent.mkdir(parents=True, exist_ok=True)
             if dest.exists():  # a corrupt entry the caller decided to replace
@@ -116,8 +120,8 @@ class LocalCache:
         out = []
         for record_file in sorted((self.root / "entries").glob("*/*/" + RECORD)):
             try:
-                out.append(Entry(record_file.parent.name, record_file.parent, json.loads(record_file.read_text())))
-            except (OSError, json.JSONDecodeError):
+                out.append(Entry(record_file.parent.name, record_file.parent, read_record(record_file.read_bytes(), str(record_file))))
+            except (OSError, CacheError):
                 continue
         return out
 
@@ -145,8 +149,19 @@ class LocalCache:
 
 
 def parse_size(text: str) -> int:
-    """'500M', '2G', '1.5GB', '100k', '0' -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
-    if not match:
-        raise AotcError(f"--max-size {text!r}: expected a size such as 500M, 2G or 0")
-    return int(float(match[1]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match[2]])
+    """'500M', '2G', '1.5GB', '100k', '0' -> bytes, in decimal units (1G = 10^9 bytes), as
+    sizes are printed; binary units are spelled out: '2GiB' = 2 * 2^30 bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(text).upper())
+    if not match or (match[3] and not match[2]):
+        raise AotcError(f"--max-size {text!r}: expected a size such as 500M, 2G, 1.5GiB or 0")
+    base = 1024 if match[3] else 1000
+    return int(float(match[1]) * base ** "_KMGT".index(match[2] or "_"))
+
+
+def format_size(n: int) -> str:
+    """Bytes in decimal units, as --max-size reads them."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

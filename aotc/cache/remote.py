@@ -12,14 +12,12 @@ verified (sha256) before they enter the local cache.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import AotcError
-from .format import sha256_file
-
-RECORD = "record.json"
+from ..errors import AotcError
+from ..format import CompiledRecord, bad_file, encode
+from .local import RECORD, CacheError, read_record
 
 
 class RemoteCache:
@@ -50,7 +48,7 @@ class RemoteCache:
         self.errors.append(f"{what}: {type(error).__name__}: {error}")
         self.down = True
 
-    def fetch(self, key: str, into: Path) -> dict | None:
+    def fetch(self, key: str, into: Path) -> CompiledRecord | None:
         """Download the entry into the folder `into` and return its record; None on a miss or error."""
         if self.down:
             return None
@@ -67,28 +65,32 @@ class RemoteCache:
             self._failed(f"get {key}", e)
             return None
         try:
-            record = json.loads(body)
-            for name, digest in record["files"].items():
+            record = read_record(body, f"{self.url}/{key}/{RECORD}")
+            for name in record.files:
                 self.client.download_file(self.bucket, self._key(key, name), str(into / name))
-                if sha256_file(into / name) != digest:
-                    self.errors.append(f"get {key}: {name} does not match its sha256; ignored")
-                    return None
-        except (BotoCoreError, ClientError, OSError, ValueError, KeyError) as e:
+            bad = bad_file(into, record.files)
+            if bad:
+                self.errors.append(f"get {key}: {bad[0].name}: {bad[1]}; ignored")
+                return None
+        except CacheError as e:
+            self.errors.append(f"get {key}: {e}; ignored")
+            return None
+        except (BotoCoreError, ClientError, OSError) as e:
             self._failed(f"get {key}", e)
             return None
         self.hits += 1
         return record
 
-    def store(self, key: str, folder: Path, record: dict) -> None:
+    def store(self, key: str, folder: Path, record: CompiledRecord) -> None:
         """Upload an entry; the record goes last, so readers never see half an entry."""
         if self.down:
             return
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            for name in record["files"]:
+            for name in record.files:
                 self.client.upload_file(str(folder / name), self.bucket, self._key(key, name))
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key, RECORD), Body=json.dumps(record).encode())
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key, RECORD), Body=encode(record))
             self.stored += 1
         except (BotoCoreError, ClientError, OSError) as e:
             self._failed(f"put {key}", e)

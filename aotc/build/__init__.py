@@ -1,0 +1,160 @@
+"""`aotc build`: model folder -> bundle, in four stages.
+
+    plan      (plan.py: make_plan)              model -> variants x buckets
+    key       (key.py: key_graphs)              each (variant, bucket) traced and passed once, and keyed
+    obtain    (obtain.py: obtain_artifacts)     each key's artifact from the cache, the remote, or a compile
+    assemble  (assemble.py: assemble_manifest)  the artifacts -> the bundle's manifest
+
+A rebuild whose recipe is cached skips all four (aotc/cache/recipes.py); a
+sharded build stops after obtain: it fills the cache and writes no bundle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..backends import Backend, Progress
+from ..backends.base import get_backend_class
+from ..cache import LocalCache
+from ..cache.keys import build_key as _build_key, recipe_key
+from ..cache.local import CacheError
+from ..cache.recipes import load_recipe, save_recipe
+from ..errors import AotcError
+from ..format import Manifest, bundle_writer, read_manifest, write_manifest
+from ..trace import Variant
+from .assemble import assemble_manifest
+from .key import KeyedGraph, key_graphs
+from .obtain import BuiltArtifact, copy_files, obtain_artifacts, remote_client
+from .options import BuildOptions, default_backend, default_jobs, parse_buckets, parse_flags, parse_shard
+from .plan import make_plan, resolve, shard_of
+
+__all__ = [
+    "BuildOptions", "BuildResult", "BuiltArtifact", "build", "build_key", "build_keys", "default_backend",
+    "parse_buckets", "parse_flags", "parse_shard", "resume",
+]  # fmt: skip
+
+
+@dataclass
+class BuildResult:
+    out: Path | None  # None for a shard build: it fills the cache only
+    manifest: Manifest | None
+    artifacts: list[BuiltArtifact]
+    graphs_traced: int
+    variants: list[Variant]
+    seconds: float
+    jobs: int
+    cache_dir: Path | None = None
+
+    def count(self, source: str) -> int:
+        return sum(a.source == source for a in self.artifacts)
+
+    @property
+    def remote_errors(self) -> list[str]:
+        return [e for a in self.artifacts for e in a.remote_errors]
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def build(options: BuildOptions, progress: Progress | None = None) -> BuildResult:
+    t0 = time.perf_counter()
+    progress = progress or _quiet
+    cache = LocalCache(options.cache_dir) if options.use_cache else None
+    config_dict, model_class, backend = resolve(options)
+    recipe = None
+    if cache is not None and not options.shard:
+        recipe = recipe_key(options, config_dict, model_class, backend)
+        done = _from_recipe(options, cache, recipe, t0)
+        if done is not None:
+            return done
+    p = make_plan(options, backend)
+    tasks = shard_of(p.tasks, options.shard) if options.shard else p.tasks
+    keyed = key_graphs(p, tasks)
+    if options.require_cache:
+        _check_all_cached(options, keyed, cache)
+    jobs = options.jobs or default_jobs(len(tasks), backend)
+    for v in p.variants:
+        total = sum(1 for t in tasks if t[0] is v)
+        if total:
+            progress("entry", id=v.entry_id, total=total)
+    if options.shard:
+        built = obtain_artifacts(options, backend, keyed, None, cache, jobs, progress)
+        artifacts = [built[k.entry_id, k.bucket] for k in keyed]
+        return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root)
+    with bundle_writer(options.out) as tmp:
+        built = obtain_artifacts(options, backend, keyed, tmp, cache, jobs, progress)
+        manifest = assemble_manifest(p, built)
+        write_manifest(tmp, manifest)
+    if recipe is not None:
+        save_recipe(cache, recipe, manifest)
+    artifacts = [built[k.entry_id, k.bucket] for k in keyed]
+    return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None)
+
+
+def build_keys(options: BuildOptions) -> list[tuple[str, int, str]]:
+    """(entry id, bucket, cache key) of every artifact of a build, without compiling."""
+    p = make_plan(options)
+    return [(k.entry_id, k.bucket, k.key) for k in key_graphs(p, p.tasks)]
+
+
+def build_key(options: BuildOptions) -> str:
+    """One key for a whole build: changes exactly when some artifact's key changes."""
+    return _build_key(build_keys(options))
+
+
+def _check_all_cached(options: BuildOptions, keyed: list[KeyedGraph], cache: LocalCache) -> None:
+    """--require-cache: every artifact must be in the local cache (or fetched from the remote)."""
+    missing = []
+    remote = remote_client(options.remote_cache) if options.remote_cache else None
+    for k in keyed:
+        with cache.lock(k.key):
+            found = cache.get(k.key) or (remote and cache.put(k.key, lambda tmp: remote.fetch(k.key, tmp)))
+        if not found:
+            missing.append(f"{k.entry_id} bucket {k.bucket} (key {k.key[:12]})")
+    if missing:
+        where = f"the cache {cache.root}" + (f" or {options.remote_cache}" if remote else "")
+        raise CacheError(
+            f"--require-cache: {len(missing)} of {len(keyed)} artifacts are not in {where}: "
+            + "; ".join(missing)
+            + ". Build them first with the same cache (aotc build, or aotc build --shard I/N for each shard)."
+        )
+
+
+def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: float) -> BuildResult | None:
+    found = load_recipe(cache, recipe)
+    if found is None:
+        return None
+    manifest, entries = found
+    artifacts = []
+    with bundle_writer(options.out) as tmp:
+        for e, art in manifest.artifacts():
+            entry = entries[art.cache_key]
+            copy_files(entry.dir, tmp / art.dir, art.files)
+            art.served = "cache"
+            artifacts.append(BuiltArtifact(e.id, art.bucket, 0.0, entry.size, art, "cache"))
+        manifest.model.source = str(options.model_dir.resolve())
+        write_manifest(tmp, manifest)
+    return BuildResult(options.out, manifest, artifacts, 0, [], time.perf_counter() - t0, 1, cache.root)
+
+
+def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[tuple[str, int]]:
+    """Complete what the build machine could not (a neuron cross-build's compiles),
+    through the backend's `finish` hook; the manifest is rewritten once all succeeded."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    backend_class = get_backend_class(manifest.backend.name)
+    if backend_class.finish is Backend.finish:
+        raise AotcError(f"--resume {bundle}: built with the {manifest.backend.name} backend, it has nothing to resume; only neuron bundles do")
+    if not manifest.pending():
+        return []
+    try:
+        backend = backend_class(**manifest.backend.flags)
+    except TypeError as e:
+        raise AotcError(f"--resume {bundle}: backend.flags do not fit the {manifest.backend.name} backend ({e}); rebuild the bundle") from None
+    names = {id(a): e.id for e, a in manifest.artifacts()}
+    done = backend.finish(bundle, manifest, jobs, progress or _quiet)
+    write_manifest(bundle, manifest)
+    return [(names[id(a)], a.bucket) for a in done]

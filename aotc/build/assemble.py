@@ -1,0 +1,49 @@
+"""Stage 4, assemble: the built artifacts and the plan -> the bundle's Manifest."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .. import __version__
+from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, WeightSpec
+from ..passes import pipeline_identity
+from ..trace import Variant, dtype_name, weights_of
+from .obtain import BuiltArtifact
+from .plan import Plan
+
+
+def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -> Manifest:
+    options, backend, loaded, shapes = plan.options, plan.backend, plan.loaded, plan.shapes
+    entries = [_entry(v, [built[v.entry_id, b].record for b in options.buckets(v.spec.bucket)]) for v in plan.variants]
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        aotc_version=__version__,
+        created_with={"torch": str(torch.__version__), "python": platform.python_version()},
+        plugins=list(options.plugins),
+        model=ModelRecord(loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict),
+        backend=BackendRecord(backend.name, backend.version(), backend.flags()),
+        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots),
+        caches={
+            kind: CacheSpec(list(shape), dtype_name(dtype))
+            for kind, (shape, dtype) in loaded.model.cache_specs(shapes.slots, shapes.max_seq).items()
+        },
+        passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend.pass_target())],
+        graphs_traced=len(plan.tasks),
+        entries=entries,
+    )
+
+
+def _entry(variant: Variant, records) -> EntryRecord:
+    return EntryRecord(
+        id=variant.entry_id,
+        cls=variant.cls.__qualname__,
+        method=variant.spec.method,
+        bucket_kind=variant.spec.bucket,
+        split=variant.spec.split,
+        variant=variant.attributes,
+        instances=[path for path, _ in variant.instances],
+        weights=[WeightSpec(name, list(t.shape), dtype_name(t.dtype), list(t.stride())) for name, t in weights_of(variant.module)],
+        artifacts=records,
+    )

@@ -1,0 +1,45 @@
+"""Stage 2, key: each (variant, bucket) traced and passed exactly once, and keyed.
+
+The traced graph and its key travel together to the obtain stage; nothing
+after this stage traces again, and each key is computed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from ..cache.keys import cache_key
+from ..format import Form
+from ..trace import TracedGraph, Variant, trace
+from .plan import Plan
+
+
+@dataclass
+class KeyedGraph:
+    variant: Variant
+    bucket: int
+    graph: TracedGraph
+    key: str
+
+    @property
+    def entry_id(self) -> str:
+        return self.variant.entry_id
+
+
+def key_graphs(plan: Plan, tasks: list[tuple[Variant, int]]) -> list[KeyedGraph]:
+    target = plan.backend.pass_target()
+    keyed = []
+    for variant, bucket in tasks:
+        graph = trace(variant, bucket, plan.shapes, target)
+        keyed.append(KeyedGraph(variant, bucket, graph, cache_key(graph, plan.backend)))
+    return keyed
+
+
+def graph_form(graph: TracedGraph) -> Form:
+    """"unbacked" when some size in the graph depends on data (nonzero, .item()), else "static"."""
+    for node in graph.graph_module.graph.nodes:
+        if free_unbacked_symbols(node.meta.get("val")):
+            return "unbacked"
+    return "static"

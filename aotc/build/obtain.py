@@ -1,0 +1,167 @@
+"""Stage 3, obtain: each keyed graph's artifact from the cache, the remote, or a compile.
+
+Hits are served in this process. Misses compile here, or with `--jobs N` in
+worker processes that receive the traced graph itself (serialized with
+torch.export.save: about 0.15 s a graph, against about 1.3 s for a worker to
+load the model and find its variants before it could re-trace one).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import multiprocessing
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..backends import Backend, Progress
+from ..cache import LocalCache
+from ..cache.local import CacheError
+from ..format import EXTRA_TYPES, ArtifactRecord, CompiledRecord, PassRecord, Served, TensorSpec, artifact_dir, convert, sha256_file
+from ..trace import TracedGraph, Variant
+from .key import KeyedGraph, graph_form
+from .options import BuildOptions
+
+
+@dataclass
+class BuiltArtifact:
+    entry_id: str
+    bucket: int
+    seconds: float  # this build's time for it: compile on a miss, fetch and check on a hit
+    size: int
+    record: ArtifactRecord
+    source: Served
+    remote_errors: list[str] = field(default_factory=list)
+
+
+def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress) -> dict[tuple[str, int], BuiltArtifact]:
+    """Every keyed graph's artifact, copied into out_dir (the bundle being written) when given."""
+    built: dict[tuple[str, int], BuiltArtifact] = {}
+    misses = []
+    for k in keyed:
+        if jobs > 1 and (cache is None or not cache.has(k.key)):
+            misses.append(k)
+            continue
+        built[k.entry_id, k.bucket] = artifact(backend, k.graph, k.key, k.variant.spec.bucket, out_dir, cache, options.remote_cache)
+        progress("done", id=k.entry_id, bucket=k.bucket)
+    if not misses:
+        return built
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(misses)), mp_context=ctx) as pool:
+        futures = {pool.submit(_worker, options, _portable(k), out_dir): k for k in misses}
+        for future in as_completed(futures):
+            k = futures[future]
+            built[k.entry_id, k.bucket] = future.result()
+            progress("done", id=k.entry_id, bucket=k.bucket)
+    return built
+
+
+@dataclass
+class _PortableGraph:
+    """A traced graph as it crosses to a worker process: no modules, the program as bytes."""
+
+    entry_id: str
+    bucket: int
+    dim: str  # the bucket's dimension: "batch" or "chunk"
+    key: str
+    program: bytes
+    inputs: list
+    outputs: list
+    passes: list
+    export_s: float
+
+
+def _portable(k: KeyedGraph) -> _PortableGraph:
+    graph = k.graph
+    program = graph.program
+    # Example inputs are fake tensors, which do not serialize; the worker remakes them.
+    example, program.example_inputs = program.example_inputs, None
+    buf = io.BytesIO()
+    try:
+        torch.export.save(program, buf)
+    finally:
+        program.example_inputs = example
+    return _PortableGraph(k.entry_id, k.bucket, k.variant.spec.bucket, k.key, buf.getvalue(), graph.inputs, graph.outputs, graph.passes, graph.export_s)
+
+
+def _worker(options: BuildOptions, portable: _PortableGraph, out_dir: Path | None) -> BuiltArtifact:
+    """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
+    program = torch.export.load(io.BytesIO(portable.program))
+    # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
+    program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
+    variant = Variant(portable.entry_id, cls=type(None), spec=None, instances=[], attributes={})
+    graph = TracedGraph(variant, portable.bucket, program, portable.inputs, portable.outputs, portable.passes, portable.export_s)
+    cache = LocalCache(options.cache_dir) if options.use_cache else None
+    return artifact(options.make_backend(), graph, portable.key, portable.dim, out_dir, cache, options.remote_cache)
+
+
+def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
+    """Get one artifact, from the cache when its key is there, else by compiling; copy it into the bundle."""
+    t0 = time.perf_counter()
+    rel = artifact_dir(graph.variant.entry_id, graph.bucket)
+    remote = remote_client(remote_url) if remote_url else None
+    errors_before = len(remote.errors) if remote else 0
+    source: Served
+    if cache is None:
+        src = out_dir / rel
+        src.mkdir(parents=True)
+        record, source = compile_graph(backend, graph, src, key), "uncached"
+    else:
+        with cache.lock(key):
+            entry, source = cache.get(key), "cache"
+            if entry is None and remote is not None:
+                entry, source = cache.put(key, lambda tmp: remote.fetch(key, tmp)), "remote"
+            if entry is None:
+                entry, source = cache.put(key, lambda tmp: compile_graph(backend, graph, tmp, key)), "compiled"
+                if remote is not None:
+                    remote.store(key, entry.dir, entry.record)
+        record, src = entry.record, entry.dir
+        if out_dir is not None:
+            copy_files(src, out_dir / rel, record.files)
+    size = sum((src / name).stat().st_size for name in record.files)
+    fields = {f: getattr(record, f) for f in CompiledRecord.__dataclass_fields__}
+    if not isinstance(record.extra, EXTRA_TYPES[backend.name]):  # read back from a cache record: JSON data
+        fields["extra"] = convert(record.extra or {}, EXTRA_TYPES[backend.name], f"cache entry {key}: extra", CacheError)
+    art = ArtifactRecord(**fields, bucket=graph.bucket, dims={dim: graph.bucket}, dir=rel, served=source)
+    errors = remote.errors[errors_before:] if remote else []
+    return BuiltArtifact(graph.variant.entry_id, graph.bucket, time.perf_counter() - t0, size, art, source, errors)
+
+
+def copy_files(src: Path, dst: Path, files) -> None:
+    dst.mkdir(parents=True)
+    for name in files:
+        shutil.copyfile(src / name, dst / name)
+
+
+@functools.lru_cache(maxsize=None)
+def remote_client(url: str):
+    # One client per process and URL, so a remote found down is not asked again in this build.
+    from ..cache.remote import RemoteCache
+
+    return RemoteCache(url)
+
+
+def compile_graph(backend: Backend, graph: TracedGraph, out: Path, key: str) -> CompiledRecord:
+    """Compile into the folder `out`; the artifact's record (what the cache and the manifest keep of it)."""
+    t0 = time.perf_counter()
+    result = backend.compile(graph, out)
+    return CompiledRecord(
+        files={f: sha256_file(out / f) for f in result.files},
+        inputs=[_spec(i) for i in graph.inputs if i.kind != "weight"],
+        outputs=[_spec(o) for o in graph.outputs],
+        form=graph_form(graph),
+        export_s=round(graph.export_s, 4),
+        compile_s=round(time.perf_counter() - t0, 4),
+        cache_key=key,
+        passes=[PassRecord(p.name, p.uuid, p.changes) for p in graph.passes],
+        extra=result.extra,
+    )
+
+
+def _spec(info) -> TensorSpec:
+    return TensorSpec(info.name, info.kind, list(info.shape), info.dtype, list(info.stride), info.path, info.pad)

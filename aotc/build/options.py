@@ -1,0 +1,112 @@
+"""What a build is asked to do: `BuildOptions`, and the parsers of its CLI values."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..backends import Backend
+from ..backends.base import get_backend_class, parallel_jobs
+from ..errors import AotcError
+from ..format import DEFAULT_ARTIFACTS
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
+DEFAULT_CHUNK_BUCKETS = (128,)
+DEFAULT_MAX_SEQ = 1024
+
+
+def parse_buckets(text: str, option: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8); errors name the option."""
+    try:
+        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+    except ValueError:
+        raise AotcError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8") from None
+    if not values or any(v <= 0 for v in values):
+        raise AotcError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8")
+    return tuple(sorted(set(values)))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'2/4' -> (2, 4): the second of four shards."""
+    try:
+        i, n = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise AotcError(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. 1/2")
+    return i, n
+
+
+def parse_flags(items: list[str], option: str) -> dict:
+    """['cpp.simdlen=256', 'x=true'] -> {'cpp.simdlen': 256, 'x': True}; values are JSON where they parse."""
+    flags = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise AotcError(f"{option} {item!r}: expected KEY=VALUE")
+        try:
+            flags[key] = json.loads(value)
+        except json.JSONDecodeError:
+            flags[key] = value
+    return flags
+
+
+def default_backend() -> tuple[str, str | None]:
+    """inductor where it can compile here, else export with the reason."""
+    why = get_backend_class("inductor")().can_compile()
+    return ("export", why) if why else ("inductor", None)
+
+
+@dataclass
+class BuildOptions:
+    model_dir: Path
+    out: Path | None = None
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    chunk_buckets: tuple[int, ...] = DEFAULT_CHUNK_BUCKETS
+    max_seq: int | None = None  # default: min(max_position_embeddings, DEFAULT_MAX_SEQ), set by plan
+    backend: str | None = None  # default: inductor where a C++ compiler is present, else export
+    device: str = "cpu"
+    compiler_flags: dict = field(default_factory=dict)  # backend options (inductor: inductor configs)
+    jobs: int | None = None  # default: from cores and free memory (inductor), 1 (export)
+    cache_dir: Path | None = None  # default: $AOTC_CACHE_DIR or ~/.cache/aotc
+    use_cache: bool = True
+    require_cache: bool = False  # fail on any miss instead of compiling
+    remote_cache: str | None = None  # s3://bucket/prefix
+    shard: tuple[int, int] | None = None  # (i, n): compile the i-th of n shares into the cache, no bundle
+    plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
+    backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
+
+    def __post_init__(self):
+        self.model_dir = Path(self.model_dir)
+        if self.out is None:
+            self.out = DEFAULT_ARTIFACTS / self.model_dir.resolve().name
+        self.out = Path(self.out)
+        if self.max_seq is not None and self.max_seq <= 0:
+            raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")
+        if self.jobs is not None and self.jobs <= 0:
+            raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
+        if not self.use_cache and (self.require_cache or self.remote_cache or self.shard):
+            raise AotcError("--no-cache cannot be combined with --require-cache, --remote-cache or --shard")
+        if self.backend is None:  # resolved here, once
+            self.backend, why = default_backend()
+            if why:
+                self.backend_note = f"using the export backend: inductor is unavailable: {why}"
+
+    def buckets(self, kind: str) -> tuple[int, ...]:
+        return {"batch": self.batch_buckets, "chunk": self.chunk_buckets}[kind]
+
+    def make_backend(self) -> Backend:
+        """The backend, ready to compile on this machine (an error says what is missing)."""
+        backend = get_backend_class(self.backend).from_options(self.device, self.compiler_flags)
+        why = backend.can_compile()
+        if why:
+            raise AotcError(f"backend {self.backend!r} cannot compile here: {why}")
+        return backend
+
+
+def default_jobs(tasks: int, backend: Backend) -> int:
+    """Parallel compile processes: bounded by cores and by each compile's memory."""
+    if backend.compile_memory_gb is None or tasks <= 1:
+        return 1  # a compile is a file write: processes would cost more than they save
+    return parallel_jobs(tasks, backend.compile_memory_gb)

@@ -1,0 +1,54 @@
+"""Stage 1, plan: model folder -> variants x buckets.
+
+Loads the model with fake weights (the checkpoint is checked from its
+headers, no value is read), finds each entry's variants, and lists the
+(variant, bucket) tasks that the later stages trace, key and compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backends import Backend
+from ..errors import AotcError
+from ..models.base import LoadedModel, load_model, parse_config
+from ..plugins import load_plugins
+from ..trace import Shapes, Variant, find_variants
+from .options import DEFAULT_MAX_SEQ, BuildOptions
+
+
+@dataclass
+class Plan:
+    options: BuildOptions
+    backend: Backend
+    loaded: LoadedModel
+    shapes: Shapes
+    variants: list[Variant]
+    tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
+
+
+def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
+    """Fill in what depends on the config; (config dict, model class, backend). Cheap: no torch model."""
+    load_plugins(options.plugins)
+    config_dict, arch, config = parse_config(options.model_dir)
+    if options.max_seq is None:
+        options.max_seq = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
+    return config_dict, arch.model_class, options.make_backend()
+
+
+def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
+    if backend is None:
+        _, _, backend = resolve(options)
+    loaded = load_model(options.model_dir, weights=False)
+    shapes = Shapes(slots=max(options.batch_buckets) + 1, max_seq=options.max_seq, device=options.device)
+    variants = find_variants(loaded.model, shapes)
+    if not variants:
+        raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
+    tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
+    return Plan(options, backend, loaded, shapes, variants, tasks)
+
+
+def shard_of(tasks: list[tuple[Variant, int]], shard: tuple[int, int]) -> list[tuple[Variant, int]]:
+    """The i-th of n shares of the tasks: a stable split that every shard computes alike."""
+    i, n = shard
+    return sorted(tasks, key=lambda t: (t[0].entry_id, t[1]))[i - 1 :: n]

@@ -1,0 +1,82 @@
+"""Cache keys: what determines the compiled code, and nothing else (DESIGN.md, Cache key).
+
+An artifact's key hashes the graph after passes, its input and output
+metadata, the backend with its version and normalized flags, and torch's
+version: never paths, hostnames, timestamps or weight values. A recipe key
+hashes what a whole build's graphs are made from, so a rebuild can be served
+without tracing (aotc/cache/recipes.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import __version__
+from ..format import FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..build.options import BuildOptions
+    from ..trace import TracedGraph
+
+
+def cache_key(graph: "TracedGraph", backend: "Backend") -> str:
+    payload = {
+        "format": FORMAT_VERSION,
+        "graph": graph.graph_module.code,
+        "inputs": [(i.kind, i.shape, i.dtype, i.stride, i.pad) for i in graph.inputs],
+        "outputs": [(o.shape, o.dtype) for o in graph.outputs],
+        "backend": backend.name,
+        "backend_version": backend.version(),
+        "flags": backend.flags(),
+        "torch": torch.__version__,
+    }
+    return _digest(payload)
+
+
+def build_key(keys: list[tuple[str, int, str]]) -> str:
+    """One key for a whole build from its (entry, bucket, key) triples."""
+    return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+
+
+def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend: "Backend") -> str:
+    """config.json, the build options, the backend, torch and Python, and the
+    source of aotc and of the model's package."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "aotc": __version__,
+        "config": config,
+        "batch": options.batch_buckets,
+        "chunk": options.chunk_buckets,
+        "max_seq": options.max_seq,
+        "backend": [backend.name, backend.version(), backend.flags(), backend.pass_target()],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "sources": _source_digest(Path(__file__).parent.parent) + _source_digest(_package_dir(model_class)),
+    }
+    return _digest(payload)
+
+
+def _digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _package_dir(cls: type) -> Path:
+    top = cls.__module__.split(".")[0]
+    return Path(importlib.import_module(top).__file__).parent
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for file in sorted(folder.rglob("*.py")):
+        h.update(file.relative_to(folder).as_posix().encode() + b"\0" + file.read_bytes())
+    return h.hexdigest()

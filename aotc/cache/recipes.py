@@ -1,0 +1,41 @@
+"""Build recipes: warm rebuilds without tracing.
+
+Once a build has finished, its manifest is kept in the cache under the build's
+recipe key (aotc/cache/keys.py). A rebuild with the same recipe whose
+artifacts are all still cached assembles the bundle from it without loading
+torch's tracer: a second or two instead of a trace per graph.
+
+    <cache root>/builds/<recipe key>.json   a Manifest
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..format import Manifest, encode, parse_manifest, write_atomic
+from .local import CacheError, Entry, LocalCache
+
+
+def recipe_file(cache: LocalCache, recipe: str) -> Path:
+    return cache.root / "builds" / f"{recipe}.json"
+
+
+def save_recipe(cache: LocalCache, recipe: str, manifest: Manifest) -> None:
+    file = recipe_file(cache, recipe)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(file, encode(manifest))
+
+
+def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Entry]] | None:
+    """The recipe's manifest and every artifact's cache entry; None unless all are there."""
+    file = recipe_file(cache, recipe)
+    if not file.is_file():
+        return None
+    manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
+    entries = {}
+    for _, art in manifest.artifacts():
+        entry = cache.get(art.cache_key)
+        if entry is None:
+            return None  # pruned since: build the normal way
+        entries[art.cache_key] = entry
+    return manifest, entries

@@ -1,0 +1,206 @@
+"""The bundle format: one reader that validates every field and confines every path."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotc.cli import app
+from aotc.errors import BundleError
+from aotc.format import FORMAT_VERSION, MANIFEST, Manifest, encode, read_manifest
+from aotc.runtime import Bundle
+
+# Values of every JSON type; a field gets each one whose type differs from its own.
+JSON_VALUES = {"null": None, "boolean": True, "number": 7, "string": "x", "array": [], "object": {}}
+# Free-form dicts (copied from config.json, backend flags, variant attributes): any value is valid.
+FREE_FORM = {"config", "flags", "variant", "created_with"}
+# Maps whose keys are names, not fields: deleting one is another valid manifest.
+MAPS = {"caches"}
+# Fields whose schema accepts more than one JSON type.
+ALSO_VALID = {"path": {"null", "string"}, "pending": {"null", "string"}}
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _fields(node, path=()):
+    """(path, key) of every record field: records' keys, and the first and last element of lists."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield path, key
+            if key not in FREE_FORM:
+                yield from _fields(value, path + (key,))
+    elif isinstance(node, list) and node:
+        for i in sorted({0, len(node) - 1}):
+            yield from _fields(node[i], path + (i,))
+
+
+def _dotted(path, key) -> str:
+    text, parent = "", None
+    for p in (*path, key):
+        if isinstance(p, int):
+            text += f"[{p}]"
+        elif parent in ("caches", "files", "dims"):  # a map's key, as the reader writes it
+            text += f"[{p!r}]"
+        else:
+            text += f".{p}" if text else p
+        parent = p
+    return text
+
+
+def _get(node, path):
+    for p in path:
+        node = node[p]
+    return node
+
+
+@pytest.fixture(scope="module")
+def bundle_copy(tiny_bundle, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    shutil.copytree(tiny_bundle.out, root / "bundle")
+    return root / "bundle", json.loads((tiny_bundle.out / MANIFEST).read_text())
+
+
+@pytest.fixture
+def opened():
+    """Paths opened while the test runs (an audit hook: catches every read, by anyone)."""
+    seen: list[str] = []
+    active = [True]
+
+    def hook(event, args):
+        if active[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            seen.append(os.fsdecode(args[0]))
+
+    _HOOKS.append(hook)
+    yield seen
+    active[0] = False
+    _HOOKS.remove(hook)
+
+
+_HOOKS: list = []
+sys.addaudithook(lambda event, args: [h(event, args) for h in list(_HOOKS)])
+
+
+def _write(bundle: Path, manifest) -> None:
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_reader_round_trips_the_writer(tiny_bundle):
+    m = read_manifest(tiny_bundle.out)
+    assert isinstance(m, Manifest) and m.format_version == FORMAT_VERSION
+    assert encode(m) == (tiny_bundle.out / MANIFEST).read_bytes()
+    assert list(json.loads(encode(m)))[0] == "format_version"
+    decode = next(e for e in m.entries if e.id == "LlamaDecoderLayer.decode")
+    assert [a.dims for a in decode.artifacts] == [{"batch": 1}, {"batch": 2}, {"batch": 4}]
+    assert {a.form for _, a in m.artifacts()} == {"static"}
+    assert all(p.uuid and p.changes >= 0 for _, a in m.artifacts() for p in a.passes)
+
+
+def test_every_field_deleted_or_mistyped_is_an_error_naming_it(bundle_copy):
+    bundle, original = bundle_copy
+    cases = 0
+    for path, key in _fields(original):
+        where = _dotted(path, key)
+        mutations = [] if path and path[-1] in MAPS else [("deleted", None)]
+        own = _json_type(_get(original, path)[key])
+        valid = ALSO_VALID.get(key, set()) | {own}
+        mutations += [(kind, value) for kind, value in JSON_VALUES.items() if kind not in valid]
+        for what, value in mutations:
+            manifest = copy.deepcopy(original)
+            parent = _get(manifest, path)
+            if what == "deleted":
+                del parent[key]
+            else:
+                parent[key] = value
+            _write(bundle, manifest)
+            with pytest.raises(BundleError) as err:
+                read_manifest(bundle)
+            message = str(err.value)
+            named = key in message if what == "deleted" else where in message
+            assert named and MANIFEST in message, f"{where} {what}: {message}"
+            cases += 1
+    assert cases > 500  # every record type was reached
+    _write(bundle, original)
+
+
+@pytest.mark.parametrize("command", ["inspect", "run"])
+def test_cli_exits_2_without_a_traceback(bundle_copy, command):
+    bundle, original = bundle_copy
+    for mutate, expect in [
+        (lambda m: m["entries"][2]["artifacts"][0].__setitem__("bucket", "4"), "entries[2].artifacts[0].bucket: expected int, got str"),
+        (lambda m: m.pop("shapes"), "missing required field shapes"),
+        (lambda m: m["entries"][0].__setitem__("bucket_kind", "context"), "entries[0].bucket_kind"),
+        (lambda m: m["entries"][0]["artifacts"][0].__setitem__("bucket", 3), "is not one of shapes.batch"),
+    ]:
+        manifest = copy.deepcopy(original)
+        mutate(manifest)
+        _write(bundle, manifest)
+        r = CliRunner().invoke(app, [command, str(bundle)], env={"COLUMNS": "300"})
+        assert r.exit_code == 2, r.output
+        assert expect in " ".join(r.output.split()) and "Traceback" not in r.output
+    for text in ("[1, 2]", "{", ""):
+        (bundle / MANIFEST).write_text(text)
+        r = CliRunner().invoke(app, [command, str(bundle)])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    _write(bundle, original)
+
+
+def test_other_format_versions_say_to_rebuild(bundle_copy):
+    bundle, original = bundle_copy
+    for version in (FORMAT_VERSION - 1, FORMAT_VERSION + 1, "2"):
+        _write(bundle, {**original, "format_version": version})
+        with pytest.raises(BundleError, match=rf"format_version is {version!r} .* reads format {FORMAT_VERSION} only; rebuild"):
+            read_manifest(bundle)
+    _write(bundle, original)
+
+
+def test_paths_outside_the_bundle_are_refused_and_never_read(bundle_copy, tmp_path, opened):
+    bundle, original = bundle_copy
+    outside = tmp_path / "outside"
+    shutil.copytree(bundle / "entries", outside)  # real artifact files: only the confinement can refuse them
+    art = original["entries"][0]["artifacts"][0]
+    name = next(iter(art["files"]))
+    (bundle / "entries" / "link").symlink_to(outside / "LlamaDecoderLayer.decode" / "b1")
+    file_link = bundle / art["dir"] / "linked.pt2"
+    file_link.symlink_to(outside / "LlamaDecoderLayer.decode" / "b1" / name)
+    cases = {
+        "absolute dir": ("dir", str(outside / "LlamaDecoderLayer.decode" / "b1")),
+        "dotdot dir": ("dir", f"../{outside.name}/LlamaDecoderLayer.decode/b1"),
+        "symlinked dir": ("dir", "entries/link"),
+        "absolute file": ("files", {str(outside / "LlamaDecoderLayer.decode" / "b1" / name): art["files"][name]}),
+        "dotdot file": ("files", {f"../../../{outside.name}/x": art["files"][name]}),
+        "symlinked file": ("files", {"linked.pt2": art["files"][name]}),
+    }
+    try:
+        for what, (field, value) in cases.items():
+            manifest = copy.deepcopy(original)
+            manifest["entries"][0]["artifacts"][0][field] = value
+            _write(bundle, manifest)
+            opened.clear()
+            with pytest.raises(BundleError, match=r"entries\[0\]\.artifacts\[0\]\.(dir|files)"):
+                Bundle.load(bundle)
+            assert not [p for p in opened if str(outside) in str(Path(p).resolve())], what
+    finally:
+        (bundle / "entries" / "link").unlink()
+        file_link.unlink()
+        _write(bundle, original)
+
+
+def test_the_bundle_folder_itself_may_be_a_symlink(tiny_bundle, tmp_path):
+    (tmp_path / "latest").symlink_to(tiny_bundle.out)
+    b = Bundle.load(tmp_path / "latest")
+    assert len(b.runners) == sum(len(e.artifacts) for e in b.manifest.entries)
