@@ -16,6 +16,9 @@ from rich.table import Table
 
 from .errors import AotcError
 from .models.corpus import CORPUS
+from .quiet import silence_third_party_warnings
+
+silence_third_party_warnings()
 
 app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graphs.", no_args_is_help=True, add_completion=False)
 init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
@@ -47,15 +50,17 @@ def init_tiny(
     arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral | deepseek_v4 (or an architecture a --plugin registers)."),
     layers: int = typer.Option(4, "--layers", min=1, help="Number of decoder layers."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
     plugin: list[str] = PLUGIN,
 ):
     """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
+    from .build import parse_flags
     from .models.tiny import write_tiny
     from .plugins import load_plugins
 
     try:
         load_plugins(plugin)
-        path = write_tiny(out, arch=arch, layers=layers, seed=seed)
+        path = write_tiny(out, arch=arch, layers=layers, seed=seed, **parse_flags(set_field, "--set"))
     except AotcError as e:
         _fail(e)
     console.print(f"wrote {arch} model with {layers} layers to {path}")
@@ -142,6 +147,11 @@ def build(
     for a in result.artifacts:
         table.add_row(a.entry_id, str(a.bucket), a.source, f"{a.seconds:.2f}", _size(a.size))
     console.print(table)
+    for v in result.variants:
+        if v.attributes:  # one class's instances split into variants: say which and why
+            attrs = ", ".join(f"{k}={val!r}" for k, val in v.attributes.items())
+            paths = [p for p, _ in v.instances]
+            console.print(f"variant {v.entry_id} ({attrs}): {len(paths)} modules, {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}", highlight=False)
     if result.graphs_traced:
         layers = sum(len(v.instances) for v in result.variants)
         console.print(
@@ -288,7 +298,7 @@ def run(
             if check:
                 Bundle.unbind(loaded.model)
                 ref = generate(loaded.model, prompts, max_new_tokens, **kwargs)
-                checked = compare(gen, ref, tolerance_for(next(loaded.model.parameters()).dtype))
+                checked = compare(gen, ref, tolerance_for(next(loaded.model.parameters()).dtype, b.manifest.backend.name))
             report = _report(prompt, gen, checked, tokenizer, b.manifest.backend.name, str(b.dir), b.load_s, setup_s)
     except AotcError as e:
         _fail(e)

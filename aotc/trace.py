@@ -10,6 +10,7 @@ and buffers passed as graph inputs, so the one graph serves every instance.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import traceback
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -17,11 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
-from .passes import PassReport, pipeline_for, run_pipeline
+from .models.base import fake_tensor_mode
+from .passes import PassReport, needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
+from .passes.strip_data_dependent import unbacked_in
 
 PLAIN = (int, float, bool, str, type(None))
 # nn.Module's own bookkeeping (_parameters, _modules, training, hooks...): not model attributes.
@@ -178,10 +182,17 @@ def _freeze(value, where: str):
 
 
 def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
+    """The fake mode of the module's weights (a build's), or a new one; either has a
+    ShapeEnv, so that data-dependent ops run and are captured as unbacked symbols."""
     for _, t in weights_of(module):
         if isinstance(t, FakeTensor):
+            if t.fake_mode.shape_env is None:
+                raise TraceError(
+                    f"{type(module).__qualname__} has fake weights made under a FakeTensorMode without a ShapeEnv; "
+                    "make them under aotc.models.base.fake_tensor_mode() (load_model(weights=False) does)"
+                )
             return t.fake_mode, True
-    return FakeTensorMode(), False
+    return fake_tensor_mode(), False
 
 
 def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> dict[str, torch.Tensor]:
@@ -250,6 +261,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
         )
     names = list(weights)
     wrapper = _flat_wrapper(_Method(module, spec.method), names)
+    _record_frames_of(module)
     t0 = time.perf_counter()
     try:
         program = torch.export.export(wrapper, (*weights.values(), *args), strict=False)
@@ -258,6 +270,9 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     export_s = time.perf_counter() - t0
     gm = program.graph_module
     reports = run_pipeline(gm, pipeline_for(pass_target))
+    if needs_static(pass_target):
+        _check_static(gm, f"{variant.entry_id} (bucket {bucket})", pass_target)
+    _drop_stale_ranges(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(names) + len(args):
         raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(names) + len(args)}")
@@ -279,6 +294,44 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     outputs = _outputs(gm, variant, bucket)
     _check_mutations(gm, inputs, variant)
     return TracedGraph(variant, bucket, program, inputs, outputs, reports, export_s)
+
+
+def _record_frames_of(module: nn.Module) -> None:
+    """Make export record the frames of the model's own methods in node stack traces,
+    so that errors name the user's line (e.g. in `decode`), not its caller's.
+    Workaround: torch 2.13's export keeps only frames named `forward` and frames
+    registered as anchors; remove when it records every user frame."""
+    from torch.fx.proxy import _register_stack_trace_anchor
+
+    for cls in {type(m) for m in module.modules()}:
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch."):
+                continue
+            for fn in vars(klass).values():
+                if inspect.isfunction(fn):
+                    _register_stack_trace_anchor(fn)
+
+
+def _check_static(gm: torch.fx.GraphModule, what: str, target: str) -> None:
+    """No unbacked symbol (a size or number that depends on tensor values) is left."""
+    for node in gm.graph.nodes:
+        symbols = unbacked_in(node)
+        if symbols:
+            raise TraceError(
+                f"{source_line(node)}: {what} still has a data-dependent size ({', '.join(sorted(map(str, symbols)))}, "
+                f"from {node.target}) after the passes, and backend target {target!r} compiles static shapes only. "
+                "Compute it with fixed-size tensors: torch.where or a mask instead of a boolean index, "
+                "nonzero_static instead of nonzero, index tensors instead of .item() or tolist()"
+            )
+
+
+def _drop_stale_ranges(program: torch.export.ExportedProgram) -> None:
+    """Forget the ranges of unbacked symbols that the passes removed from the graph
+    (a saved program would carry them, and its loader warns about each)."""
+    left = set().union(*(unbacked_in(n) for n in program.graph_module.graph.nodes))
+    ranges = program.range_constraints  # the program's own dict: it has no setter
+    for symbol in [s for s in ranges if free_unbacked_symbols(s) and s not in left]:
+        del ranges[symbol]
 
 
 def _flat_wrapper(method_module: _Method, names: list[str]) -> nn.Module:

@@ -121,3 +121,13 @@ def test_console_script_help():
     assert r.returncode == 0
     for command in ("init", "build", "run", "inspect"):
         assert command in r.stdout
+
+
+def test_build_says_which_layers_each_variant_serves(tmp_path):
+    r = invoke("init", "tiny", tmp_path / "q", "--arch", "qwen2", "--layers", 3, "--set", "use_sliding_window=true", "--set", "sliding_window=16", "--set", "max_window_layers=1")
+    assert r.exit_code == 0, r.output
+    r = invoke("build", tmp_path / "q", "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64, "-o", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "variant LlamaDecoderLayer.decode.v0 (self_attn.window=None): 1 modules, model.layers.0" in said, said
+    assert "variant LlamaDecoderLayer.decode.v1 (self_attn.window=16): 2 modules, model.layers.1, model.layers.2" in said

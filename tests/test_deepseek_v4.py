@@ -255,13 +255,3 @@ def test_config_errors(pair, tmp_path, change, message):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path / "m")
-
-
-def test_build_reports_the_data_dependent_line(pair, tmp_path):
-    """Compiling V4 is the next step; until then a build stops at its first data-dependent line, named."""
-    from aotc.build import BuildOptions, build
-    from aotc.errors import TraceError
-
-    path, _, _ = pair
-    with pytest.raises(TraceError, match=r"deepseek_v4.py:\d+ \(.*nonzero.*\).*depends on tensor values"):
-        build(BuildOptions(path, out=tmp_path / "b", backend="export", use_cache=False, batch_buckets=(1,), chunk_buckets=(16,), max_seq=64))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +91,27 @@ def import_torchax():
         import torchax.decompositions
         import torchax.export
         import torchax.ops.jaten  # noqa: F401  (registers the aten -> JAX lowerings)
+    _fix_nonzero_static()
     return torchax
+
+
+def _fix_nonzero_static() -> None:
+    """torchax 0.0.13 lowers nonzero_static with an unsized jnp.argwhere, which has a
+    data-dependent shape and fails under jax.jit; the static-shape pass emits exactly
+    this op. Its entry is replaced in place (registering again would log a warning).
+    Remove when torchax passes `size` to argwhere."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from torchax.ops import ops_registry
+
+    def nonzero_static(x, size, fill_value=-1):
+        return jnp.argwhere(x, size=size, fill_value=fill_value)
+
+    for op in (torch.ops.aten.nonzero_static, torch.ops.aten.nonzero_static.default):
+        entry = ops_registry.all_aten_ops.get(op)
+        if entry is not None and entry.func is not nonzero_static:
+            ops_registry.all_aten_ops[op] = dataclasses.replace(entry, func=nonzero_static)
 
 
 # -- lowering ---------------------------------------------------------------------
@@ -134,8 +155,12 @@ def lower(graph: "TracedGraph") -> Lowered:
 
     specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in placeholders]
     jitted = jax.jit(computation, donate_argnums=tuple(mutated))
-    hlo = jitted.lower(*specs).compiler_ir("hlo")
-    exported = jax.export.export(jitted)(*specs)
+    with warnings.catch_warnings():
+        # JAX runs without x64: int64 indices and positions are computed as int32,
+        # exact for every index a cache can hold (< 2^31). JAX warns at each cast.
+        warnings.filterwarnings("ignore", message=r".*requested in astype is not available", category=UserWarning)
+        hlo = jitted.lower(*specs).compiler_ir("hlo")
+        exported = jax.export.export(jitted)(*specs)
     return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated)
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
 from ..cache.keys import cache_key
 from ..format import Form
+from ..passes.strip_data_dependent import unbacked_in
 from ..trace import TracedGraph, Variant, trace
 from .plan import Plan
 
@@ -39,7 +38,4 @@ def key_graphs(plan: Plan, tasks: list[tuple[Variant, int]]) -> list[KeyedGraph]
 
 def graph_form(graph: TracedGraph) -> Form:
     """"unbacked" when some size in the graph depends on data (nonzero, .item()), else "static"."""
-    for node in graph.graph_module.graph.nodes:
-        if free_unbacked_symbols(node.meta.get("val")):
-            return "unbacked"
-    return "static"
+    return "unbacked" if any(unbacked_in(n) for n in graph.graph_module.graph.nodes) else "static"

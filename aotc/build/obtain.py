@@ -23,6 +23,7 @@ from ..backends import Backend, Progress
 from ..cache import LocalCache
 from ..cache.local import CacheError
 from ..format import EXTRA_TYPES, ArtifactRecord, CompiledRecord, PassRecord, Served, TensorSpec, artifact_dir, convert, sha256_file
+from ..quiet import silence_third_party_warnings
 from ..trace import TracedGraph, Variant
 from .key import KeyedGraph, graph_form
 from .options import BuildOptions
@@ -91,6 +92,7 @@ def _portable(k: KeyedGraph) -> _PortableGraph:
 
 def _worker(options: BuildOptions, portable: _PortableGraph, out_dir: Path | None) -> BuiltArtifact:
     """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
+    silence_third_party_warnings()  # a spawned process starts with the default filters
     program = torch.export.load(io.BytesIO(portable.program))
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})

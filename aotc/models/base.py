@@ -93,6 +93,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
 
+def fake_tensor_mode() -> FakeTensorMode:
+    """The fake mode that builds and traces run under. Its ShapeEnv lets `nonzero`
+    and `.item()` run on fake tensors: they become unbacked symbolic sizes,
+    which export captures and the static-shape pass then removes."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
 @dataclass
 class LoadedModel:
     model: CausalLM
@@ -120,7 +129,7 @@ def load_model(model_dir: Path | str, *, weights: bool = True) -> LoadedModel:
     config_dict, arch, config = parse_config(model_dir)
     checkpoint = Checkpoint(model_dir)
     if not weights:
-        fake_mode = FakeTensorMode()
+        fake_mode = fake_tensor_mode()
         with fake_mode:
             model = arch.model_class(config)
         _check_checkpoint(model, checkpoint)

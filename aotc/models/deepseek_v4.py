@@ -27,16 +27,18 @@ A compressed entry is written when the token that closes its window is
 processed, from the per-position inputs, so prompts can be prefilled in any
 chunking and give the same state.
 
-Data-dependent steps that a compiled graph has to get rid of (everything else
-has static shapes: top-k with a fixed k, gathers by slot, masks):
-  * Compressor.emit: `nonzero` picks the tokens that close a window, `tolist`
-    / `int(...)` bring slot and window to the host, and the window is sliced
-    by those values (with a branch on `w > 0`). Static form: every token
-    computes its would-be entry and writes it to index `w`, or to a scratch
-    entry when it closes no window.
-  * MoE.forward: `nonzero` finds each expert's tokens, a branch on their
-    count, and a gather/index_add_ of data-dependent size. Static form: a
-    gather of each token's top-k expert weights (decode) or grouped GEMM.
+Data-dependent steps (everything else has static shapes: top-k with a fixed
+k, gathers by slot, masks):
+  * MoE.forward keeps its natural form: `nonzero` finds each expert's tokens,
+    then a gather and an `index_add_` of data-dependent size, with a
+    `torch._check` that an expert gets at most one row per token. Traced, these
+    are unbacked sizes: export and inductor compile them as they are; for
+    static-shape backends (xla, neuron) the strip_data_dependent pass turns
+    them into `nonzero_static` with padded rows masked out of the `index_add_`.
+  * Compressor.emit is vectorized, since export cannot capture a loop over
+    `tolist()`: every token computes the entry of the window it is in, and a
+    window gets the entry of its closing token when that token is in the call;
+    every other token writes back the entry already there.
 """
 
 from __future__ import annotations
@@ -288,22 +290,37 @@ class Compressor(nn.Module):
         gate_state[slots, positions] = self.wgate(h)
 
     def emit(self, slots, positions, kv_state, gate_state, entries, inv_freq, scale):
-        """Write the entry of every window that the token at `positions` closes."""
-        closes = ((positions + 1) % self.rate == 0).nonzero().flatten()
-        for i in closes.tolist():
-            slot, w = int(slots[i]), int(positions[i] + 1) // self.rate - 1
-            start = w * self.rate
-            kv = kv_state[slot, start : start + self.rate]  # [rate, width]
-            gate = gate_state[slot, start : start + self.rate].float() + self.ape
-            if self.overlap:
-                d = self.dim
-                prev_kv = kv_state[slot, start - self.rate : start, :d] if w > 0 else kv.new_zeros(self.rate, d)
-                prev_gate = gate_state[slot, start - self.rate : start, :d].float() + self.ape[:, :d] if w > 0 else gate.new_full((self.rate, d), float("-inf"))
-                kv = torch.cat([prev_kv, kv[:, d:]])
-                gate = torch.cat([prev_gate, gate[:, d:]])
-            pooled = (kv * gate.softmax(dim=0).to(kv.dtype)).sum(dim=0)
-            cos, sin = rope_at(inv_freq, scale, torch.tensor([start]), pooled.dtype)
-            entries[slot, w] = apply_rope(self.norm(pooled)[None], cos, sin)[0]
+        """Write the entry of every window that a token at `positions` closes.
+
+        Every row computes the entry of the window it is in (w = position // rate,
+        the one it closes if it closes one), so the shapes do not depend on the
+        data. A window closed in this call gets the entry its closing row
+        computed; the rows of every other window write back what is there.
+        """
+        # slots, positions: [N]
+        rate, d = self.rate, self.dim
+        w = positions // rate
+        start = w * rate
+        at = start[:, None] + torch.arange(rate, device=positions.device)  # [N, rate]
+        rows = slots[:, None]
+        kv = kv_state[rows, at]  # [N, rate, width]
+        gate = gate_state[rows, at].float() + self.ape
+        if self.overlap:  # the first series of the window before (none before window 0)
+            first = (w == 0)[:, None, None]
+            before = (at - rate).clamp(min=0)
+            prev_kv = kv_state[rows, before, :d].masked_fill(first, 0)
+            prev_gate = (gate_state[rows, before, :d].float() + self.ape[:, :d]).masked_fill(first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)  # [N, 2 * rate, d]
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [N, d]
+        cos, sin = rope_at(inv_freq, scale, start, pooled.dtype)
+        entry = apply_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        # Rows of one (slot, window) all write one value: the closing row's entry
+        # when the window closes in this call, else the entry already there.
+        closes = (positions + 1) % rate == 0
+        closer = (rows == slots[None, :]) & (w[:, None] == w[None, :]) & closes[None, :]  # [N, N]: row j closes row i's window
+        entry = torch.where(closer.any(dim=1)[:, None], entry[closer.int().argmax(dim=1)], entries[slots, w])
+        entries[slots, w] = entry
 
 
 class Indexer(nn.Module):
@@ -451,8 +468,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-            if rows.numel():
-                out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
+            torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
+            out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
         return out + self.shared_experts(x)
 
 

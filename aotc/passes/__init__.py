@@ -9,12 +9,21 @@ from torch import fx
 from .base import GraphPass, PassResult
 from .reslice_cache_views import ResliceCacheViews
 from .rewrite_skinny_linears import RewriteSkinnyLinears
+from .strip_data_dependent import StripDataDependent
 
 PIPELINE: list[GraphPass] = [
     # First: the passes after it, and every backend, may assume that each
     # cache write is one index_put_ on a graph input.
     ResliceCacheViews(),
 ]
+
+# Targets whose compilers need every size static (no nonzero, no .item()).
+STATIC_TARGETS = ("static", "xla", "neuron")
+
+# Before the common pipeline, for static targets: the passes after it then see
+# static shapes only (ResliceCacheViews refuses views of data-dependent size).
+# Export and inductor keep unbacked graphs: AOTInductor compiles them.
+STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
 
 # Passes that only pay off on some backends run after the common pipeline.
 BACKEND_PASSES: dict[str, list[GraphPass]] = {
@@ -30,9 +39,16 @@ class PassReport:
     changes: int
 
 
+def needs_static(target: str | None) -> bool:
+    """Whether graphs for this backend target must have static shapes only."""
+    return target in STATIC_TARGETS
+
+
 def pipeline_for(target: str | None) -> list[GraphPass]:
-    """The common pipeline, then the passes of one backend target (e.g. "inductor-cpu")."""
-    return PIPELINE + BACKEND_PASSES.get(target or "", [])
+    """The static-shape passes (static targets), the common pipeline, then the
+    passes of one backend target (e.g. "inductor-cpu")."""
+    first = STATIC_PASSES if needs_static(target) else []
+    return first + PIPELINE + BACKEND_PASSES.get(target or "", [])
 
 
 def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassReport]:

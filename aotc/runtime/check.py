@@ -16,6 +16,11 @@ from .generate import Generation
 
 # Absolute logit tolerance per dtype: fp32 differs by about 1e-4 between row counts.
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1, torch.float16: 2e-2}
+# XLA sums in another order than eager; a discrete choice inside the model (DeepSeek
+# V4's indexer keeps the top-k compressed entries) then flips at near-ties. Measured on
+# the tiny V4, 715-token prompt: logits within 2.4e-3 of eager on xla (2e-5 on export
+# and inductor); with index_topk covering every entry, within 1e-5.
+BACKEND_FACTOR = {"xla": 5.0, "neuron": 5.0}
 
 
 @dataclass
@@ -50,8 +55,8 @@ class CheckReport:
         return all(p.passed for p in self.per_prompt) and self.max_logit_diff <= self.tolerance
 
 
-def tolerance_for(dtype: torch.dtype) -> float:
-    return TOLERANCE.get(dtype, 1e-1)
+def tolerance_for(dtype: torch.dtype, backend: str = "export") -> float:
+    return TOLERANCE.get(dtype, 1e-1) * BACKEND_FACTOR.get(backend, 1.0)
 
 
 def compare(gen: Generation, ref: Generation, tolerance: float) -> CheckReport:

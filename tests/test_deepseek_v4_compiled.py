@@ -1,0 +1,132 @@
+"""DeepSeek V4 compiled: built on every backend and checked against eager.
+
+Default run: export and xla at one decode bucket (4) and one prefill chunk
+(128), and the neuron cross-build's HLO. Inductor, several decode buckets and
+other V4 configs are marked slow.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from aotc.backends.inductor import InductorBackend
+from aotc.backends.xla import XlaBackend
+from aotc.build import BuildOptions, build
+from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
+from aotc.runtime import Bundle, compare, generate, tolerance_for
+
+LONG = 715  # prefilled in 6 chunks of 128, as the seed engine's prompt
+NEW_TOKENS = 6
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[1, 17, 42], torch.randint(3, vocab, (LONG,), generator=g).tolist(), [1, 5, 9, 200, 7, 3, 99]]
+
+
+def check_against_eager(bundle: Bundle, model_dir, batches: list[list[list[int]]]) -> None:
+    """Generate through the bundle and eagerly; logits within the tolerance, tokens equal."""
+    loaded = load_model(model_dir)
+    bundle.check_model(loaded)
+    for batch in batches:
+        kwargs = dict(max_batch=len(batch), max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True)
+        bundle.bind(loaded.model)
+        got = generate(loaded.model, batch, NEW_TOKENS, **kwargs)
+        Bundle.unbind(loaded.model)
+        ref = generate(loaded.model, batch, NEW_TOKENS, **kwargs)
+        tolerance = tolerance_for(torch.float32, bundle.manifest.backend.name)
+        report = compare(got, ref, tolerance)
+        assert report.tokens_equal, [(p.matching_tokens, p.near_tie_gap) for p in report.per_prompt]
+        assert report.passed and report.max_logit_diff < tolerance, report.max_logit_diff
+        assert all(len(s.new_ids) == NEW_TOKENS for s in got.sequences)
+
+
+@pytest.fixture(scope="module")
+def v4_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("v4") / "v4", arch="deepseek_v4", layers=4)
+
+
+def v4_build(v4_dir, tmp_path, backend, buckets=(4,), **more):
+    options = BuildOptions(v4_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(128,), max_seq=1024, backend=backend, use_cache=False, **more)
+    return build(options)
+
+
+def hlo_dynamic_dims(text: str) -> list[str]:
+    """Shapes with a bounded-dynamic dimension (`f32[<=4,128]`) in HLO text."""
+    return re.findall(r"\w+\[[^\]]*<=[^\]]*\]", text)
+
+
+@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax"))])
+def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
+    result = v4_build(v4_dir, tmp_path, backend)
+    manifest = result.manifest
+    # Graphs per layer type and MoE kind, not per layer: 4 layers, 4 block variants.
+    ids = sorted(e.id for e in manifest.entries)
+    assert ids == sorted(
+        ["SlidingBlock.decode.v0", "SlidingBlock.decode.v1", "SlidingBlock.prefill.v0", "SlidingBlock.prefill.v1",
+         "CSABlock.decode", "CSABlock.prefill", "HCABlock.decode", "HCABlock.prefill", "V4Head.forward"]
+    )  # fmt: skip
+    forms = {a.form for _, a in manifest.artifacts()}
+    if backend == "xla":
+        assert forms == {"static"}  # the strip pass ran: nothing data-dependent reaches XLA
+        strip = {e.id: sum(p.changes for p in a.passes if p.name == "strip_data_dependent") for e, a in manifest.artifacts()}
+        assert all(strip[i] > 0 for i in ids if i != "V4Head.forward"), strip  # every block routes through nonzero
+        for _, art in manifest.artifacts():
+            assert not hlo_dynamic_dims((result.out / art.dir / "hlo.txt").read_text())
+    else:
+        assert forms == {"static", "unbacked"}  # the MoE's nonzero is kept where the backend runs it
+    bundle = Bundle.load(result.out)
+    vocab = load_model(v4_dir, weights=False).config.vocab_size
+    ps = prompts(vocab)
+    # batch 3 padded into bucket 4 (and the long prompt in 6 chunks), then batch 1
+    check_against_eager(bundle, v4_dir, [ps, [ps[0]]])
+
+
+def test_v4_neuron_cross_build_writes_static_hlo_and_commands(v4_dir, tmp_path, monkeypatch):
+    if XlaBackend().can_compile() is not None:
+        pytest.skip("needs jax and torchax")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the build stops after the HLO
+    result = v4_build(v4_dir, tmp_path, "neuron")
+    arts = list(result.manifest.artifacts())
+    assert len(arts) == 9 and all(a.pending for _, a in arts)
+    for _, art in arts:
+        folder = result.out / art.dir
+        assert set(art.files) == {"hlo.pb", "hlo.txt", "command.txt"}
+        assert (folder / "command.txt").read_text().startswith("neuronx-cc compile hlo.pb --framework XLA")
+        text = (folder / "hlo.txt").read_text()
+        assert text.startswith("HloModule ") and not hlo_dynamic_dims(text)
+
+
+def test_hlo_dynamic_dims_finds_bounded_shapes():
+    assert hlo_dynamic_dims("ROOT %r = f32[<=4,128]{1,0} parameter(0)") == ["f32[<=4,128]"]
+    assert hlo_dynamic_dims("ROOT %r = f32[4,128]{1,0} parameter(0)") == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
+def test_v4_inductor_several_buckets(v4_dir, tmp_path):
+    result = v4_build(v4_dir, tmp_path, "inductor", buckets=(1, 2, 4))
+    vocab = load_model(v4_dir, weights=False).config.vocab_size
+    ps = prompts(vocab)
+    check_against_eager(Bundle.load(result.out), v4_dir, [ps, ps[:2], [ps[1]]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["export", "xla"])
+def test_v4_other_configs(tmp_path, backend):
+    """Other layer counts, windows, compress rates and expert counts than the default tiny V4."""
+    model = write_tiny(
+        tmp_path / "v4b", arch="deepseek_v4", layers=5, seed=3, sliding_window=16, n_routed_experts=6, num_experts_per_tok=3,
+        compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 32},
+    )  # fmt: skip
+    result = v4_build(model, tmp_path, backend, buckets=(2, 4))
+    assert result.graphs_traced < 5 * 4  # variants per layer type and MoE kind, not per layer
+    vocab = load_model(model, weights=False).config.vocab_size
+    ps = prompts(vocab)
+    check_against_eager(Bundle.load(result.out), model, [ps, ps[:2]])
+    shutil.rmtree(result.out)
