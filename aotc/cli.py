@@ -36,6 +36,16 @@ DEFAULT_PROMPTS = (
 )
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops like Ctrl-C: the same cleanup (temporary folders, workers) runs."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _fail(e: AotcError) -> None:
     err_console.print(f"[bold red]error:[/] {e}", highlight=False)
     raise typer.Exit(2)
@@ -46,11 +56,12 @@ PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a mode
 
 @init_app.command("tiny")
 def init_tiny(
-    out: Path = typer.Argument(..., help="Folder to write (replaced if it exists)."),
+    out: Path = typer.Argument(..., help="Folder to write: new or empty (with --force, replaced)."),
     arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral | deepseek_v4 (or an architecture a --plugin registers)."),
     layers: int = typer.Option(4, "--layers", min=1, help="Number of decoder layers."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds files."),
     plugin: list[str] = PLUGIN,
 ):
     """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
@@ -60,7 +71,7 @@ def init_tiny(
 
     try:
         load_plugins(plugin)
-        path = write_tiny(out, arch=arch, layers=layers, seed=seed, **parse_flags(set_field, "--set"))
+        path = write_tiny(out, arch=arch, layers=layers, seed=seed, force=force, **parse_flags(set_field, "--set"))
     except AotcError as e:
         _fail(e)
     console.print(f"wrote {arch} model with {layers} layers to {path}")
@@ -117,6 +128,8 @@ def build(
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .build import build as run_build, parse_shard
 
+    _stop_on_sigterm()
+
     if resume is not None:
         return _resume(resume, jobs)
     if model_dir is None:
@@ -160,6 +173,9 @@ def build(
         )
     else:
         console.print(f"assembled {len(result.artifacts)} cached artifacts without tracing in {result.seconds:.1f} s -> {where}")
+    if result.manifest is not None:
+        # A bundle is code: pin this to run exactly what was built (aotc run --expect-digest).
+        console.print(f"bundle digest {result.manifest.digest()}", highlight=False)
     if result.cache_dir:
         line = f"cache: {result.count('cache')} hits, {result.count('compiled')} misses compiled"
         if remote_cache:
@@ -261,6 +277,7 @@ def run(
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
 ):
     """Greedy generation through a bundle (or, with --eager, with the eager model)."""
     from .models.base import load_model
@@ -281,7 +298,7 @@ def run(
             gen = generate(loaded.model, prompts, max_new_tokens, max_batch=max_batch or len(prompts), max_seq=max_seq)
             report = _report(prompt, gen, None, tokenizer, "eager", str(model_dir), 0.0, time.perf_counter() - t0)
         else:
-            b = Bundle.load(path)
+            b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
             model_dir = model or Path(b.manifest.model.source)
             loaded = load_model(model_dir)
             b.check_model(loaded)
@@ -330,7 +347,7 @@ def inspect(
         f"[bold]{bundle}[/]  format {m.format_version}  {m.model.model_class} ({m.model.architecture})  "
         f"backend {m.backend.name} {m.backend.version}\n"
         f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  "
-        f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}  digest {m.digest()[:16]}"
+        f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\ndigest {m.digest()}"
     )
     table = Table()
     for col in ("entry", "modules", "bucket", "form", "inputs w/c/a", "outputs", "compile s", "cache key"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -236,8 +237,17 @@ class Manifest:
         return [(e, a) for e, a in self.artifacts() if a.pending]
 
     def digest(self) -> str:
-        """The bundle's identity: every record and every file's sha256."""
-        return hashlib.sha256(encode(self)).hexdigest()
+        """The bundle's identity, to pin it: the sha256 of the manifest's canonical JSON,
+        which holds every file's sha256. What differs between two builds of the same
+        bundle is left out: timings, where each artifact was served from, the model
+        folder's path."""
+        data = msgspec.to_builtins(self)
+        data["model"].pop("source")
+        for entry in data["entries"]:
+            for art in entry["artifacts"]:
+                for key in ("export_s", "compile_s", "served"):
+                    art.pop(key)
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # -- writing ----------------------------------------------------------------------
@@ -266,29 +276,64 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def check_replaceable(out: Path, option: str = "-o") -> None:
+    """`out` may be written as a bundle: it does not exist, is an empty folder, or
+    holds an aotc bundle (a manifest.json with a format_version). aotc replaces
+    nothing else: not a file, not a folder of the user's."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise BundleError(f"{option} {out}: a broken symlink; remove it or choose another folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise BundleError(f"{option} {out}: is a file, not a bundle folder; aotc replaces only bundle folders it wrote. Choose another path")
+    if not any(out.iterdir()):
+        return
+    try:
+        head = msgspec.json.decode((out / MANIFEST).read_bytes())
+        ours = isinstance(head, dict) and "format_version" in head
+    except (OSError, msgspec.DecodeError):
+        ours = False
+    if not ours:
+        raise BundleError(
+            f"{option} {out}: the folder holds files that are not an aotc bundle (no aotc {MANIFEST}); "
+            "aotc replaces only bundle folders it wrote. Choose another folder, or empty this one"
+        )
+
+
 @contextlib.contextmanager
 def bundle_writer(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; on success it replaces `out`.
 
     The caller writes artifacts and the manifest into the yielded folder. If
     anything fails, the temporary folder is removed and `out` is untouched, so
-    a bundle on disk is always complete.
+    a bundle on disk is always complete. `out` must be replaceable
+    (check_replaceable). Writers to one `out` take turns (a lock file beside it),
+    so what a killed writer left (`.NAME.tmp-*`, `.NAME.old-*`) is removed by the next.
     """
+    from filelock import FileLock
+
     out = Path(out)
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "bundle")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            yield tmp
+            old = None
+            if out.exists() or out.is_symlink():
+                check_replaceable(out)  # again: it may have changed while we built
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                os.replace(out, old / "bundle")
+            os.replace(tmp, out)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # -- reading ----------------------------------------------------------------------
@@ -349,6 +394,11 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         raise error(f"{source}: backend.name: {manifest.backend.name!r} is not a backend; known: {', '.join(sorted(EXTRA_TYPES))}")
     for i, entry in enumerate(manifest.entries):
         kinds = manifest.shapes.buckets(entry.bucket_kind)
+        if sorted(a.bucket for a in entry.artifacts) != sorted(kinds):
+            raise error(
+                f"{source}: entries[{i}].artifacts: buckets {sorted(a.bucket for a in entry.artifacts)}, but "
+                f"shapes.{entry.bucket_kind} is {kinds}: every bucket needs one artifact. Rebuild the bundle"
+            )
         for j, art in enumerate(entry.artifacts):
             where = f"{source}: entries[{i}].artifacts[{j}]"
             art.extra = convert(art.extra, extra_type, f"{where}.extra", error)
@@ -371,6 +421,11 @@ def confined(root: Path, rel: str, where: str) -> Path:
     if not path.resolve().is_relative_to(root):
         raise BundleError(f"{where}: {rel!r} leads outside the bundle folder {root} (a symlink); rebuild the bundle")
     return path
+
+
+def is_file_name(name: str) -> bool:
+    """A plain name inside one folder: no separator, not `.` or `..`."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def _relative(rel: str) -> bool:

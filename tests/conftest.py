@@ -37,3 +37,29 @@ def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):
     model = model_cls(config).eval()
     model.save_pretrained(tmp_path)
     return tmp_path, model
+
+
+def rehash(bundle) -> None:
+    """What an attacker does after tampering with a bundle: fix every sha256 in its manifest."""
+    import hashlib
+    import json
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for e in manifest["entries"]:
+        for a in e["artifacts"]:
+            for name in a["files"]:
+                a["files"][name] = hashlib.sha256((bundle / a["dir"] / name).read_bytes()).hexdigest()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+
+def swapped_copy(src, dst):
+    """A copy of a bundle whose decode artifacts for buckets 1 and 2 trade places, hashes fixed."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    a, b = dst / "entries/LlamaDecoderLayer.decode/b1", dst / "entries/LlamaDecoderLayer.decode/b2"
+    a.rename(dst / "swap")
+    b.rename(a)
+    (dst / "swap").rename(b)
+    rehash(dst)
+    return dst

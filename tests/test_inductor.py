@@ -21,6 +21,8 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
+from .conftest import swapped_copy
+
 pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=96, backend="inductor")
@@ -160,6 +162,14 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_path):
+    """A package records the inputs it was compiled for: two packages swapped (their
+    sha256 fixed in the manifest) are refused before anything runs."""
+    bundle = swapped_copy(inductor_bundles[1].out, tmp_path / "swapped")
+    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 as the manifest says \(input \d+ is \(\[2,"):
+        Bundle.load(bundle)
 
 
 def test_default_backend_falls_back_to_export_without_a_compiler(monkeypatch):

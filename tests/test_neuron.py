@@ -7,6 +7,7 @@ Neuron SDK is installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -145,6 +146,15 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     with pytest.raises(AotcError, match="neuronx-cc is not on PATH"):
         resume(out)
 
+    # A tampered command.txt (sha256 fixed in the manifest) is never run: resume makes
+    # the compiler's argv from the manifest's typed flags.
+    marker = tmp_path / "ran"
+    manifest = json.loads((out / "manifest.json").read_text())
+    for e in manifest["entries"]:
+        for a in e["artifacts"]:
+            (out / a["dir"] / "command.txt").write_text(f"touch {marker}\n")
+            a["files"]["command.txt"] = hashlib.sha256((out / a["dir"] / "command.txt").read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
     # On a "Neuron host": the compiler is there; resume compiles exactly the pending ones.
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
@@ -154,6 +164,7 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     assert r.exit_code == 0, r.output
     assert "compiled 5 pending artifacts" in r.output
     assert len(calls.read_text().splitlines()) == 5
+    assert not marker.exists()
     manifest = read_manifest(out)
     assert "neuronx-cc-2.99.0.0+test-double" in manifest.backend.version
     for e, a in manifest.artifacts():

@@ -33,8 +33,10 @@ def test_example_plugin_builds_and_runs(on_path):
     assert r.exit_code == 0, r.output
     assert "traced 5 graphs for 3 entries serving 5 module instances" in r.output
     assert json.loads((bundle / "manifest.json").read_text())["plugins"] == ["tinygpt.model"]
-    # The bundle remembers its plugin: no --plugin needed to run it.
-    r = invoke("run", bundle, "--check", "--json", "--max-new-tokens", 8, "--prompt", "Hello", "--prompt", "the quick brown fox jumps over the lazy dog, twice over")
+    # The bundle records its plugin, but aotc imports a module only when the user names it.
+    r = invoke("run", bundle, "--check", "--max-new-tokens", 8, "--prompt", "Hello")
+    assert r.exit_code == 2 and "pass --plugin tinygpt.model" in " ".join(r.output.split()), r.output
+    r = invoke("run", bundle, "--plugin", "tinygpt.model", "--check", "--json", "--max-new-tokens", 8, "--prompt", "Hello", "--prompt", "the quick brown fox jumps over the lazy dog, twice over")
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["check"]["tokens_equal"]
 

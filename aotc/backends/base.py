@@ -86,6 +86,12 @@ class Backend(abc.ABC):
     def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         """Load one compiled artifact from its folder; `record` is its manifest record."""
 
+    def signature(self, art_dir: Path) -> list[tuple[list[int], str]] | None:
+        """The inputs (shape, dtype name) as the artifact itself records them, read as
+        data before anything is loaded; Bundle.load refuses an artifact whose signature
+        is not what the manifest says (swapped or mislabeled). None: it cannot tell."""
+        return None
+
     def finish(self, bundle: Path, manifest: "Manifest", jobs: int | None, progress: Progress) -> list[ArtifactRecord]:
         """Complete the artifacts of a bundle that the build machine could not (`aotc build --resume`).
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..format import PROGRAM, ArtifactRecord
 from .base import Backend, CompileResult, Runner, register_backend
+from .export_archive import check_archive, program_inputs
 
 if TYPE_CHECKING:
     from ..trace import TracedGraph
@@ -36,6 +37,7 @@ class ExportBackend(Backend):
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+        check_archive(art_dir / PROGRAM)  # before torch reads it: torch's loader unpickles and resolves names
         program = torch.export.load(str(art_dir / PROGRAM))
         # Every input is a user input, so the graph module takes the flat list
         # as is; this skips ExportedProgram.module()'s pytree and state handling.
@@ -45,3 +47,6 @@ class ExportBackend(Backend):
             return list(gm(*args))
 
         return run
+
+    def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
+        return program_inputs(art_dir / PROGRAM)

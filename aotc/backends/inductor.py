@@ -10,6 +10,7 @@ scatter on the caller's cache.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -99,15 +100,46 @@ class InductorBackend(Backend):
             normalize_package(raw, out_dir / PACKAGE)
         return CompileResult([PACKAGE], InductorExtra(self.target()))
 
+    def signature(self, art_dir: Path) -> list[tuple[list[int], str]] | None:
+        return package_inputs(art_dir / PACKAGE)
+
     def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
         # aoti_load_package() first probes the compiler for the CPU's vector ISA
         # (about 0.9 s of subprocesses per process) only to log a warning on a
         # mismatch; the bundle checks its target itself (Bundle.load). Remove
         # this when the public loader stops probing.
+        # The package checks every input's dtype, sizes and strides against what it was
+        # compiled for when this is set (read once per process, at the first call): a
+        # swapped or mislabeled artifact fails on its first call, before any token.
+        os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
         loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
         # boxed_run takes ownership of the list it is given and skips the pytree
         # flatten/unflatten of AOTICompiledModel.__call__: the lowest-overhead call.
         return loader.boxed_run
+
+
+# The generated wrapper checks each input when AOTI_RUNTIME_CHECK_INPUTS is set:
+#     int32_t arg0_1_expected_dtype = aoti_torch_dtype_float32();
+#     if (256 != arg0_1_size[0]) { ...
+_INPUT_DTYPE = re.compile(rb"arg(\d+)_1_expected_dtype = aoti_torch_dtype_(\w+)\(\)")
+_INPUT_SIZE = re.compile(rb"if \((\d+) != arg(\d+)_1_size\[(\d+)\]\)")
+
+
+def package_inputs(path: Path) -> list[tuple[list[int], str]] | None:
+    """The inputs a package was compiled for, read from its generated wrapper source;
+    None if the source has no such checks (another torch's codegen)."""
+    with zipfile.ZipFile(path) as z:
+        source = b"".join(z.read(n) for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    dtypes = {int(i): name.decode() for i, name in _INPUT_DTYPE.findall(source)}
+    if not dtypes or sorted(dtypes) != list(range(len(dtypes))):
+        return None
+    dims: dict[int, dict[int, int]] = {i: {} for i in dtypes}
+    for size, i, d in _INPUT_SIZE.findall(source):
+        dims[int(i)][int(d)] = int(size)
+    shapes = {i: [found[d] for d in range(len(found))] if sorted(found) == list(range(len(found))) else None for i, found in dims.items()}
+    if any(shape is None for shape in shapes.values()):
+        return None
+    return [(shapes[i], dtypes[i]) for i in range(len(dtypes))]
 
 
 def normalize_package(src: Path, dst: Path) -> None:

@@ -222,3 +222,10 @@ class XlaBackend(Backend):
             return [torch.from_dlpack(o) for o in outs[len(mutated) :]]
 
         return run
+
+    def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
+        import jax
+
+        exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
+        # Without JAX's x64 mode, int64 inputs are int32 in the module (see lower()).
+        return [(list(a.shape), str(a.dtype).replace("int32", "int64")) for a in exported.in_avals]

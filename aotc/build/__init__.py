@@ -22,7 +22,8 @@ from ..cache.keys import build_key as _build_key, recipe_key
 from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, save_recipe
 from ..errors import AotcError
-from ..format import Manifest, bundle_writer, read_manifest, write_manifest
+from ..format import Manifest, bundle_writer, check_replaceable, read_manifest, write_manifest
+from ..models.base import load_model
 from ..trace import Variant
 from .assemble import assemble_manifest
 from .key import KeyedGraph, key_graphs
@@ -64,6 +65,8 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     progress = progress or _quiet
     cache = LocalCache(options.cache_dir) if options.use_cache else None
     config_dict, model_class, backend = resolve(options)
+    if not options.shard:
+        check_replaceable(options.out)  # before any work: aotc replaces only its own bundles
     recipe = None
     if cache is not None and not options.shard:
         recipe = recipe_key(options, config_dict, model_class, backend)
@@ -127,6 +130,9 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
     found = load_recipe(cache, recipe)
     if found is None:
         return None
+    # The recipe says what the graphs are; the model folder must still be what they
+    # are for: every safetensors header checked against the model (headers only).
+    load_model(options.model_dir, weights=False)
     manifest, entries = found
     artifacts = []
     with bundle_writer(options.out) as tmp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import multiprocessing
+import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -53,13 +54,36 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
     if not misses:
         return built
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(misses)), mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(misses)), mp_context=ctx, initializer=_die_with_parent, initargs=(os.getpid(),))
+    try:
         futures = {pool.submit(_worker, options, _portable(k), out_dir): k for k in misses}
         for future in as_completed(futures):
             k = futures[future]
             built[k.entry_id, k.bucket] = future.result()
             progress("done", id=k.entry_id, bucket=k.bucket)
+    except BaseException:
+        # Interrupted or failed: stop the compiles now rather than wait for them.
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in multiprocessing.active_children():
+            child.kill()
+        raise
+    pool.shutdown()
     return built
+
+
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: a build killed even by SIGKILL takes its workers with it
+    (Linux: the kernel sends them SIGKILL when the parent dies)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: workers end when the pool's pipe closes
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 @dataclass

@@ -86,6 +86,12 @@ class BuildOptions:
             raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
+        model, out = self.model_dir.resolve(), self.out.resolve()
+        if out == model or out.is_relative_to(model) or model.is_relative_to(out):
+            raise AotcError(
+                f"-o {self.out}: the bundle folder would replace the model folder {self.model_dir} or a folder "
+                "inside or around it; write the bundle elsewhere (default: artifacts/<model name>)"
+            )
         if not self.use_cache and (self.require_cache or self.remote_cache or self.shard):
             raise AotcError("--no-cache cannot be combined with --require-cache, --remote-cache or --shard")
         if self.backend is None:  # resolved here, once

@@ -96,6 +96,9 @@ class LocalCache:
         renamed into place; if make returns None, nothing is published.
         """
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        # What a killed compile of this key left: the caller holds the key's lock, so no one else is writing it.
+        for stale in (self.root / "tmp").glob(f"{key[:16]}-*"):
+            self.remove(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self.root / "tmp"))
         try:
             record = make(tmp)
@@ -108,17 +111,44 @@ class LocalCache:
             write_atomic(tmp / RECORD, encode(record))
             dest = self.path(key)
             dest.parent.mkdir(parents=True, exist_ok=True)
+            if not self.owns(dest.parent):
+                raise CacheError(f"{dest.parent}: a symlink inside the cache {self.root}; aotc writes only inside it. Remove the link")
             if dest.exists():  # a corrupt entry the caller decided to replace
-                shutil.rmtree(dest)
+                self.remove(dest)
             os.replace(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return Entry(key, dest, record)
 
+    def owns(self, path: Path) -> bool:
+        """`path` is inside the cache root, reached without following a symlink
+        (the root itself may be one: the user chose it)."""
+        try:
+            rel = Path(path).relative_to(self.root)
+        except ValueError:
+            return False
+        here = self.root
+        for part in rel.parts:
+            here = here / part
+            if part == ".." or here.is_symlink():
+                return False
+        return True
+
+    def remove(self, path: Path) -> int:
+        """Delete a folder the cache owns; returns the bytes freed. Anything reached
+        through a symlink is left alone: prune never deletes outside the cache."""
+        if not self.owns(path) or not path.is_dir():
+            return 0
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(path, ignore_errors=True)  # rmtree does not follow links inside
+        return size
+
     def entries(self) -> list[Entry]:
         out = []
         for record_file in sorted((self.root / "entries").glob("*/*/" + RECORD)):
+            if not self.owns(record_file.parent):
+                continue
             try:
                 out.append(Entry(record_file.parent.name, record_file.parent, read_record(record_file.read_bytes(), str(record_file))))
             except (OSError, CacheError):
@@ -129,11 +159,11 @@ class LocalCache:
         """Delete least recently used entries until the cache holds at most max_size
         bytes, and leftover temporary folders. Returns (entries removed, bytes freed)."""
         removed = freed = 0
-        for tmp in (self.root / "tmp").glob("*") if (self.root / "tmp").is_dir() else []:
-            with_age = time.time() - tmp.stat().st_mtime
+        tmp_root = self.root / "tmp"
+        for tmp in tmp_root.glob("*") if self.owns(tmp_root) and tmp_root.is_dir() else []:
+            with_age = time.time() - tmp.lstat().st_mtime
             if with_age > 3600:  # an hour: no compile takes that long; this one's build died
-                freed += sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-                shutil.rmtree(tmp, ignore_errors=True)
+                freed += self.remove(tmp)
         entries = sorted(self.entries(), key=lambda e: (e.dir / RECORD).stat().st_mtime)
         total = sum(e.size for e in entries)
         for e in entries:
@@ -141,7 +171,7 @@ class LocalCache:
                 break
             with self.lock(e.key):
                 size = e.size
-                shutil.rmtree(e.dir, ignore_errors=True)
+                self.remove(e.dir)
             total -= size
             freed += size
             removed += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..format import Manifest, encode, parse_manifest, write_atomic
+from ..format import Manifest, artifact_dir, encode, is_file_name, parse_manifest, write_atomic
 from .local import CacheError, Entry, LocalCache
 
 
@@ -33,7 +33,10 @@ def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Ent
         return None
     manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
     entries = {}
-    for _, art in manifest.artifacts():
+    for e, art in manifest.artifacts():
+        if not is_file_name(e.id) or art.dir != artifact_dir(e.id, art.bucket) or not all(map(is_file_name, art.files)):
+            # Not a folder aotc would write: a corrupt recipe is a miss, never followed.
+            return None
         entry = cache.get(art.cache_key)
         if entry is None:
             return None  # pruned since: build the normal way

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..errors import WeightsError
 
@@ -41,10 +41,20 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._files():
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), _DTYPES[sl.get_dtype()], file)
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        sl = f.get_slice(name)
+                        dtype = _DTYPES.get(sl.get_dtype())
+                        if dtype is None:
+                            raise WeightsError(
+                                f"{file}: tensor {name!r} has dtype {sl.get_dtype()}, which aotc does not read; "
+                                f"known: {', '.join(sorted(_DTYPES))}"
+                            )
+                        self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), dtype, file)
+            except (SafetensorError, OSError) as e:
+                # Truncated, empty or not a safetensors file at all: its header does not parse.
+                raise WeightsError(f"{file}: not a readable safetensors file ({e}); re-download or re-save the checkpoint") from None
 
     def _files(self) -> list[Path]:
         index = self.dir / INDEX

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .corpus import CORPUS
+from ..errors import ConfigError
 from .registry import get_architecture
 
 DEFAULT_ARCH = "llama"
@@ -44,8 +45,12 @@ def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
     return tok
 
 
-def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, **overrides) -> Path:
-    """Write a random model folder; `overrides` change config.json fields (e.g. hidden_size)."""
+def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, force: bool = False, **overrides) -> Path:
+    """Write a random model folder; `overrides` change config.json fields (e.g. hidden_size).
+    A folder that is not empty is replaced only with force=True."""
+    out = Path(out)
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: exists and is not an empty folder; aotc init tiny writes a new model folder. Choose another path, or pass --force to replace it")
     architecture = get_architecture(arch)
     tokenizer = make_tokenizer()
     config = architecture.model_class.tiny_config(layers=layers, vocab_size=tokenizer.get_vocab_size(), variant=arch)

@@ -10,11 +10,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..backends import Runner, get_backend
+from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
 from ..models.base import LoadedModel
@@ -31,11 +33,27 @@ class Bundle:
     load_s: float
 
     @classmethod
-    def load(cls, path: Path | str) -> "Bundle":
-        """Read the manifest, check every file's sha256, load every artifact."""
+    def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None) -> "Bundle":
+        """Read the manifest, check every file's sha256, load every artifact.
+
+        A bundle built with plugins needs them named in `plugins` (the user's
+        --plugin): aotc never imports a module because a bundle names it.
+        `expect_digest`: refuse any bundle whose digest differs (a pinned bundle).
+        """
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
+        if expect_digest is not None and manifest.digest() != expect_digest.strip().lower():
+            raise BundleError(
+                f"{path}: digest {manifest.digest()}, expected {expect_digest.strip()} (--expect-digest); "
+                "this is not the bundle you pinned. Rebuild it, or pin the new digest if you built it"
+            )
+        missing = [p for p in manifest.plugins if p not in plugins]
+        if missing:
+            raise BundleError(
+                f"{path} was built with the plugin {', '.join(missing)}; pass --plugin {' --plugin '.join(missing)} "
+                "to run it (aotc imports a module only when you name it)"
+            )
         load_plugins(manifest.plugins)
         pending = manifest.pending()
         if pending:
@@ -54,6 +72,7 @@ class Bundle:
             bad = bad_file(art_dir, art.files)
             if bad:
                 raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+            _check_signature(path, entry, art, backend.signature(art_dir))
             runners[(entry.id, art.bucket)] = backend.load(art_dir, art)
         return cls(path, manifest, runners, time.perf_counter() - t0)
 
@@ -101,6 +120,19 @@ class Bundle:
                     raise BundleError(f"{self.dir}: entry {entry.id} is for module {path!r}, which the model does not have") from None
                 weights = [_weight(instance, path, w, self.dir) for w in entry.weights]
                 setattr(instance, entry.method, Dispatcher(entry, runners, weights))
+        # Every entry the model has must run compiled: nothing falls back to eager unseen.
+        unbound = [
+            f"{path or type(m).__name__}.{method}"
+            for path, m in model.named_modules()
+            for method in entries_of(type(m))
+            if not isinstance(vars(m).get(method), Dispatcher)
+        ]
+        if unbound:
+            Bundle.unbind(model)
+            raise BundleError(
+                f"{self.dir}: the manifest has no compiled entry for {', '.join(unbound[:4])}"
+                f"{f' and {len(unbound) - 4} more' if len(unbound) > 4 else ''}; the bundle is incomplete. Rebuild it (aotc build)"
+            )
 
     @staticmethod
     def unbind(model: nn.Module) -> None:
@@ -109,6 +141,20 @@ class Bundle:
             for name, value in list(vars(module).items()):
                 if isinstance(value, Dispatcher):
                     delattr(module, name)
+
+
+def _check_signature(bundle: Path, entry, art, found) -> None:
+    """The artifact's own record of its inputs must be what the manifest says it takes."""
+    if found is None:
+        return
+    expected = [(w.shape, w.dtype) for w in entry.weights] + [(i.shape, i.dtype) for i in art.inputs]
+    if [(list(s), d) for s, d in found] != [(list(s), d) for s, d in expected]:
+        diff = next(((i, e, f) for i, (e, f) in enumerate(zip(expected, found)) if list(e[0]) != list(f[0]) or e[1] != f[1]), None)
+        what = f"input {diff[0]} is {diff[2]}, the manifest says {diff[1]}" if diff else f"{len(found)} inputs, the manifest says {len(expected)}"
+        raise BundleError(
+            f"{bundle / art.dir}: the artifact is not {entry.id} bucket {art.bucket} as the manifest says ({what}); "
+            "the bundle was altered. Rebuild it (aotc build)"
+        )
 
 
 def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:

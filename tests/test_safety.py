@@ -1,0 +1,341 @@
+"""Nothing lost, nothing run that the user did not build: output folders, caches, plugins, digests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotc.build import BuildOptions, build
+from aotc.cache import LocalCache
+from aotc.cli import app
+from aotc.errors import AotcError, BundleError, ConfigError
+from aotc.models.tiny import write_tiny
+from aotc.runtime import Bundle
+
+from .conftest import rehash, swapped_copy
+
+OPTIONS = dict(batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export")
+
+
+def tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(folder)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "300"})
+
+
+@pytest.fixture
+def model(tiny_dir, tmp_path):
+    """A private copy of the tiny model: tests here try to destroy it."""
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for f in tiny_dir.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return copy
+
+
+@pytest.mark.parametrize("where", ["model", "inside", "around"])
+def test_output_never_replaces_the_model_folder(model, where):
+    before = tree_digest(model)
+    out = {"model": model, "inside": model / "bundle", "around": model.parent}[where]
+    r = invoke("build", model, "--backend", "export", "--no-cache", "--buckets", "1", "-o", out)
+    assert r.exit_code == 2 and "would replace the model folder" in " ".join(r.output.split()), r.output
+    assert tree_digest(model) == before
+
+
+def test_output_never_replaces_files_that_are_not_a_bundle(model, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    file = tmp_path / "file.txt"
+    file.write_text("keep me too")
+    for out, said in [(notes, "holds files that are not an aotc bundle"), (file, "is a file, not a bundle folder")]:
+        with pytest.raises(BundleError, match=said):
+            build(BuildOptions(model, out=out, use_cache=False, **OPTIONS))
+    assert (notes / "todo.txt").read_text() == "keep me" and file.read_text() == "keep me too"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    build(BuildOptions(model, out=empty, use_cache=False, **OPTIONS))  # an empty folder is fine
+    build(BuildOptions(model, out=empty, use_cache=False, **OPTIONS))  # and so is a bundle aotc wrote
+    assert (empty / "manifest.json").is_file()
+
+
+def test_stale_temporary_folders_are_removed_by_the_next_build(model, tmp_path):
+    out = tmp_path / "bundle"
+    stale = [tmp_path / ".bundle.tmp-dead1", tmp_path / ".bundle.old-dead2"]
+    for s in stale:
+        (s / "entries").mkdir(parents=True)
+    other = tmp_path / ".other.tmp-keep"  # another bundle's: not ours to remove
+    other.mkdir()
+    build(BuildOptions(model, out=out, use_cache=False, **OPTIONS))
+    assert not any(s.exists() for s in stale) and other.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".bundle")) == [".bundle.lock"]
+
+
+def test_init_tiny_refuses_a_folder_with_files_unless_forced(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    with pytest.raises(ConfigError, match="not an empty folder.*--force"):
+        write_tiny(folder, layers=1)
+    r = invoke("init", "tiny", folder, "--layers", 1)
+    assert r.exit_code == 2 and (folder / "thesis.tex").read_text() == "years of work"
+    r = invoke("init", "tiny", folder, "--layers", 1, "--force")
+    assert r.exit_code == 0 and (folder / "config.json").is_file() and not (folder / "thesis.tex").exists()
+
+
+def test_prune_never_follows_a_symlink_out_of_the_cache(model, tmp_path):
+    cache = tmp_path / "cache"
+    build(BuildOptions(model, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep")
+    key = "ab" + "0" * 62
+    (victim / key).mkdir()
+    (victim / key / "record.json").write_text((next((cache / "entries").glob("*/*/record.json"))).read_text())
+    (cache / "entries" / "ab").symlink_to(victim)  # entries/ab -> a user folder
+    old = time.time() - 7200
+    (tmp_path / "victim_tmp").mkdir()
+    (tmp_path / "victim_tmp" / "x").mkdir()
+    os.utime(tmp_path / "victim_tmp" / "x", (old, old))
+    (cache / "tmp").mkdir(exist_ok=True)
+    os.rename(cache / "tmp", tmp_path / "real_tmp")
+    (cache / "tmp").symlink_to(tmp_path / "victim_tmp")  # cache/tmp -> a user folder
+    before = tree_digest(victim), tree_digest(tmp_path / "victim_tmp")
+    LocalCache(cache).prune(0)
+    assert (tree_digest(victim), tree_digest(tmp_path / "victim_tmp")) == before
+    assert (tmp_path / "victim_tmp" / "x").is_dir()
+    assert not list((cache / "entries").glob("[!a]*/*/record.json"))  # the real entries went
+
+
+def test_plugins_named_by_a_bundle_are_not_imported(tiny_bundle, tmp_path):
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_bundle.out, evil)
+    manifest = json.loads((evil / "manifest.json").read_text())
+    (evil / "manifest.json").write_text(json.dumps({**manifest, "plugins": ["os_plugin_that_would_run"]}))
+    with pytest.raises(BundleError, match="built with the plugin os_plugin_that_would_run; pass --plugin os_plugin_that_would_run"):
+        Bundle.load(evil)
+    r = invoke("run", evil, "--prompt", "Hi")
+    assert r.exit_code == 2 and "aotc imports a module only when you name it" in " ".join(r.output.split())
+
+
+def test_digest_is_printed_stable_and_pinnable(model, tmp_path):
+    r = invoke("build", model, "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64, "--cache-dir", tmp_path / "c", "-o", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    digest = " ".join(r.output.split()).split("bundle digest ")[1].split()[0]
+    assert len(digest) == 64
+    # A rebuild (served from the cache, another folder) has the same digest.
+    r = invoke("build", model, "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64, "--cache-dir", tmp_path / "c", "-o", tmp_path / "b")
+    assert f"bundle digest {digest}" in " ".join(r.output.split())
+    assert invoke("run", tmp_path / "b", "--expect-digest", digest, "--prompt", "Hi", "--max-new-tokens", 2).exit_code == 0
+    r = invoke("run", tmp_path / "b", "--expect-digest", "0" * 64, "--prompt", "Hi", "--max-new-tokens", 2)
+    assert r.exit_code == 2 and "not the bundle you pinned" in " ".join(r.output.split())
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    manifest["entries"][0]["artifacts"][0]["files"]["program.pt2"] = "f" * 64  # any change to what runs
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
+    r = invoke("run", tmp_path / "b", "--expect-digest", digest, "--prompt", "Hi", "--max-new-tokens", 2)
+    assert r.exit_code == 2 and "not the bundle you pinned" in " ".join(r.output.split())
+
+
+def test_errors_are_aotc_errors():
+    assert issubclass(BundleError, AotcError) and issubclass(ConfigError, AotcError)
+
+
+def _rewrite_program(path: Path, edit) -> None:
+    """Rewrite an export archive's members: edit(name, bytes) -> bytes."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members:
+            z.writestr(name, edit(name, data))
+
+
+def test_export_program_that_calls_python_or_unpickles_is_refused_and_never_runs(tiny_bundle, tmp_path, monkeypatch):
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Payload())  # made before os.system is replaced below
+    calls = []
+    monkeypatch.setattr(os, "system", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: calls.append("pickle") or None)
+    art = "entries/LMHead.forward/b1/program.pt2"
+
+    def node_calls_system(name, data):
+        if not name.endswith("models/model.json"):
+            return data
+        program = json.loads(data)
+        program["graph_module"]["graph"]["nodes"][0]["target"] = "torch.os.system"
+        return json.dumps(program).encode()
+
+    def pickled_constant(name, data):
+        if name.endswith("model_constants_config.json"):
+            return json.dumps({"config": {"c0": {"path_name": "c0", "is_param": False}}}).encode()
+        if name.endswith("sample_inputs/model.pt"):
+            return payload
+        return data
+
+    for what, edit, said in [
+        ("torch.os.system node", node_calls_system, "calls 'torch.os.system', which is not an aten or prims op"),
+        ("pickled constant", pickled_constant, "pickled"),
+    ]:
+        bundle = tmp_path / what.replace(" ", "_")
+        shutil.copytree(tiny_bundle.out, bundle)
+        _rewrite_program(bundle / art, edit)
+        rehash(bundle)
+        with pytest.raises(BundleError, match=said):
+            Bundle.load(bundle)
+    assert calls == [] and not marker.exists()
+
+
+def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
+    bundle = swapped_copy(tiny_bundle.out, tmp_path / "swapped")
+    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 as the manifest says \(input \d+ is \(\[2,"):
+        Bundle.load(bundle)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing tensor", "config only"])
+def test_warm_rebuild_still_checks_the_model_folder(model, tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    cache = tmp_path / "cache"
+    build(BuildOptions(model, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    weights = model / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "missing tensor":
+        tensors = load_file(weights)
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, weights)
+    else:
+        weights.unlink()
+    with pytest.raises(AotcError):
+        build(BuildOptions(model, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+    assert not (tmp_path / "b").exists()
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_parallel_build_leaves_no_process_and_no_temporary_folder(model, tmp_path, how):
+    import signal
+    import subprocess
+    import sys
+
+    from aotc.backends.inductor import InductorBackend
+
+    if InductorBackend().can_compile() is not None:
+        pytest.skip("needs a C++ compiler for AOTInductor")
+    args = [sys.executable, "-m", "aotc.cli", "build", str(model), "--backend", "inductor", "--jobs", "2", "--buckets", "1,2",
+            "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "cache"), "-o", str(tmp_path / "bundle")]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    workers: set[int] = set()
+    while time.time() < deadline and len(workers) < 2:  # both workers are compiling
+        time.sleep(0.2)
+        workers = {p for p in _descendants(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")} if proc.poll() is None else set()
+    assert len(workers) >= 2, "the build never started its workers"
+    tree = _descendants(proc.pid)
+    proc.send_signal(getattr(signal, how))
+    proc.wait(timeout=60)
+    deadline = time.time() + 30  # a C++ compile a worker started may finish first
+    while time.time() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.5)
+    assert not [p for p in tree if _alive(p)], "processes of the killed build are still running"
+    assert not (tmp_path / "bundle").exists()
+    build(BuildOptions(model, out=tmp_path / "bundle", cache_dir=tmp_path / "cache", **OPTIONS))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".bundle")) == [".bundle.lock"]
+    leftover = [p.name for p in (tmp_path / "cache" / "tmp").glob("*")] if (tmp_path / "cache" / "tmp").is_dir() else []
+    assert leftover == [] or how == "SIGKILL", leftover  # SIGTERM cleans up at once; SIGKILL's are pruned later
+
+
+def test_cache_records_and_recipes_never_lead_outside(model, tmp_path):
+    cache = tmp_path / "cache"
+    build(BuildOptions(model, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    (recipe,) = (cache / "builds").glob("*.json")
+    data = json.loads(recipe.read_text())
+    data["entries"][0]["artifacts"][0]["dir"] = "entries/../../escaped/b1"
+    recipe.write_text(json.dumps(data))
+    result = build(BuildOptions(model, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+    assert result.graphs_traced == 3  # the recipe was a miss: traced and served from the cache
+    assert not (tmp_path / "escaped").exists() and not any(tmp_path.rglob("escaped"))
+    record = next((cache / "entries").glob("*/*/record.json"))
+    data = json.loads(record.read_text())
+    data["files"] = {"../../../../outside.txt": next(iter(data["files"].values()))}
+    record.write_text(json.dumps(data))
+    with pytest.raises(AotcError, match="is not a file name"):
+        build(BuildOptions(model, out=tmp_path / "c", cache_dir=cache, use_cache=True, **OPTIONS))
+    assert not (tmp_path / "outside.txt").exists()
+
+
+def test_model_folder_may_be_a_symlink(model, tmp_path):
+    (tmp_path / "snapshot").symlink_to(model)
+    result = build(BuildOptions(tmp_path / "snapshot", out=tmp_path / "b", use_cache=False, **OPTIONS))
+    assert Bundle.load(result.out).manifest.model.source == str((tmp_path / "snapshot").resolve())
+
+
+def test_loading_reads_nothing_outside_the_bundle(tiny_bundle):
+    Bundle.load(tiny_bundle.out)  # imports done: what remains to read is the bundle
+    seen: list[str] = []
+    hook_on[0] = seen
+    try:
+        Bundle.load(tiny_bundle.out)
+    finally:
+        hook_on[0] = None
+    root = tiny_bundle.out.resolve()
+    outside = [p for p in seen if not Path(p).resolve().is_relative_to(root)]
+    assert seen and not outside, outside
+
+
+hook_on: list = [None]
+
+
+def _audit(event, args):
+    if event == "open" and hook_on[0] is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+        hook_on[0].append(os.fsdecode(args[0]))
+
+
+import sys  # noqa: E402
+
+sys.addaudithook(_audit)
