@@ -202,7 +202,41 @@ def test_remote_that_is_down_never_fails_the_build(tiny_dir, tmp_path, monkeypat
     assert len(LocalCache(tmp_path / "c").entries()) == 5
 
 
-def test_remote_refusing_writes_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3):
+@pytest.fixture(autouse=True)
+def fresh_remote_clients():
+    """A build keeps one remote client per URL for its process; tests must not share them."""
+    from aotc.build.obtain import remote_client
+
+    remote_client.cache_clear()
+    yield
+    remote_client.cache_clear()
+
+
+def test_remote_refusing_writes_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3, monkeypatch):
+    """Reads answer (every key a miss); every upload is refused: the build compiles, says so, keeps its cache."""
+    from botocore.exceptions import ClientError
+
+    from aotc.cache.remote import RemoteCache
+
+    def refuse(self, *args, **kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "writes refused"}}, "PutObject")
+
+    refused = []
+    real_store = RemoteCache.store
+
+    def store(self, key, folder, record):
+        monkeypatch.setattr(self.client, "upload_file", lambda *a, **k: refused.append(key) or refuse(self))
+        return real_store(self, key, folder, record)
+
+    monkeypatch.setattr(RemoteCache, "store", store)
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c", remote_cache="s3://aotc/x", **OPTIONS))
+    assert result.count("compiled") == 5 and len(refused) == 1  # the first refusal marks the remote down
+    assert any(e.startswith("put ") and "AccessDenied" in e for e in result.remote_errors), result.remote_errors
+    cache = LocalCache(tmp_path / "c")
+    assert len(cache.entries()) == 5 and all(cache.get(e.key) for e in cache.entries())
+
+
+def test_remote_bucket_missing_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3):
     runner = CliRunner()
     r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "c"), "--remote-cache", "s3://no-such-bucket/x", "-o", str(tmp_path / "a")], env={"COLUMNS": "200", **s3})
     assert r.exit_code == 0, r.output

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from aotc.cli import app
@@ -131,3 +132,23 @@ def test_build_says_which_layers_each_variant_serves(tmp_path):
     said = " ".join(r.output.split())
     assert "variant LlamaDecoderLayer.decode.v0 (self_attn.window=None): 1 modules, model.layers.0" in said, said
     assert "variant LlamaDecoderLayer.decode.v1 (self_attn.window=16): 2 modules, model.layers.1, model.layers.2" in said
+
+
+def test_check_exits_1_when_tokens_differ(built, monkeypatch):
+    """--check fails the run when the bundle's tokens are not eager's (here: a perturbed head)."""
+    from aotc.runtime import Bundle
+
+    _, bundle, _ = built
+    bind = Bundle.bind
+
+    def bind_and_perturb(self, model):
+        bind(self, model)
+        runners = model.head.forward.runners  # the compiled head only: unbind restores eager
+        for bucket, run in list(runners.items()):
+            runners[bucket] = lambda args, _run=run: [out + torch.linspace(0, 50, out.shape[-1]) for out in _run(args)]  # argmax moves
+
+    monkeypatch.setattr(Bundle, "bind", bind_and_perturb)
+    r = invoke("run", bundle, "--prompt", "Hello", "--max-new-tokens", 4, "--check")
+    assert r.exit_code == 1
+    said = " ".join(r.output.split())
+    assert "check prompt 0: 4 tokens differs after 0 tokens" in said and "tokens differ from eager" in said

@@ -51,6 +51,14 @@ def test_parallel_build_is_identical_to_serial(inductor_bundles):
     assert all(list(f) == ["model.pt2"] for f in files(parallel).values())
 
 
+def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
+    """The inductor-cpu pipeline ran rewrite_skinny_linears: decode matmuls of 1 to 8 rows, not prefill's 16."""
+    changes = {(e.id, a.bucket): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
+    assert changes[("LlamaDecoderLayer.decode", 1)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
+    assert changes[("LlamaDecoderLayer.decode", 2)]["rewrite_skinny_linears"] == 7
+    assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_linears"] == 0
+
+
 def test_packages_hold_no_weights(inductor_bundles):
     """Every parameter is a runtime input: no package has constants baked in."""
     bundle = inductor_bundles[0]

@@ -177,3 +177,15 @@ def test_other_format_version_is_refused(tiny_bundle, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="bundle format 999"):
         Bundle.load(copy)
+
+
+def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
+    loaded, bundle = bound
+    layer = loaded.model.model.layers[0]
+    used = []
+    for bucket, runner in list(layer.decode.runners.items()):
+        layer.decode.runners[bucket] = lambda args, _b=bucket, _r=runner: used.append(_b) or _r(args)
+    for batch, bucket in [(1, 1), (2, 2), (3, 4), (4, 4)]:
+        used.clear()
+        generate(loaded.model, prompts(*[5] * batch), 2, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots)
+        assert used and set(used) == {bucket}, (batch, used)
