@@ -294,3 +294,10 @@ def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path,
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, require_cache=True, **OPTIONS))
     assert second.count("cache") == len(second.artifacts) == first.graphs_traced == 5
     assert len(exports) == len(keys_made) == 5
+
+
+def test_sizes_are_decimal_as_printed_and_binary_when_spelled_out():
+    from aotc.cache import format_size, parse_size
+
+    assert [parse_size(t) for t in ("0", "500M", "2G", "2GB", "1.5GiB", "100k")] == [0, 500 * 10**6, 2 * 10**9, 2 * 10**9, int(1.5 * 2**30), 100_000]
+    assert format_size(2 * 10**9) == "2.0 GB" and parse_size(format_size(2 * 10**9).replace(" ", "")) == 2 * 10**9

@@ -7,10 +7,9 @@ backends are checked against.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from ..format import PROGRAM, ArtifactRecord
 from .base import Backend, CompileResult, Runner, register_backend

@@ -10,16 +10,14 @@ scatter on the caller's cache.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from ..errors import BackendError
 from ..format import PACKAGE, ArtifactRecord, InductorExtra
@@ -107,18 +105,16 @@ class InductorBackend(Backend):
         # aoti_load_package() first probes the compiler for the CPU's vector ISA
         # (about 0.9 s of subprocesses per process) only to log a warning on a
         # mismatch; the bundle checks its target itself (Bundle.load). Remove
-        # this when the public loader stops probing.
-        # The package checks every input's dtype, sizes and strides against what it was
-        # compiled for when this is set (read once per process, at the first call): a
-        # swapped or mislabeled artifact fails on its first call, before any token.
-        os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+        # this when the public loader stops probing. (A swapped package is refused
+        # before this: Bundle.load compares signature() with the manifest.)
         loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
         # boxed_run takes ownership of the list it is given and skips the pytree
         # flatten/unflatten of AOTICompiledModel.__call__: the lowest-overhead call.
         return loader.boxed_run
 
 
-# The generated wrapper checks each input when AOTI_RUNTIME_CHECK_INPUTS is set:
+# The generated wrapper holds each input's checks (they run only under
+# AOTI_RUNTIME_CHECK_INPUTS; read here as data, so calls pay nothing):
 #     int32_t arg0_1_expected_dtype = aoti_torch_dtype_float32();
 #     if (256 != arg0_1_size[0]) { ...
 _INPUT_DTYPE = re.compile(rb"arg(\d+)_1_expected_dtype = aoti_torch_dtype_(\w+)\(\)")

@@ -20,10 +20,9 @@ import signal
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from ..errors import AotcError, BackendError
 from ..format import COMMAND, LOG, NEFF, ArtifactRecord, NeuronExtra, sha256_file

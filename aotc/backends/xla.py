@@ -18,10 +18,9 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from ..errors import BackendError
 from ..format import HLO_PROTO, HLO_TEXT, JAX_MODULE, ArtifactRecord, XlaExtra

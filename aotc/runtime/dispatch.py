@@ -81,15 +81,7 @@ class Dispatcher:
                     a = torch.cat([a, a.new_full((bucket - n, *a.shape[1:]), self.pads[i])])
                 a = a.contiguous()
             flat.append(a)
-        try:
-            outs = self.runners[bucket](flat)
-        except RuntimeError as e:
-            if "unmatched" not in str(e):  # AOTInductor's input check: "unmatched dim value at 0, ..."
-                raise
-            raise BundleError(
-                f"{self.entry_id} bucket {bucket}: the artifact does not take the inputs its manifest records "
-                f"({str(e).strip().splitlines()[0]}); the bundle was altered or mislabeled. Rebuild it (aotc build)"
-            ) from None
+        outs = self.runners[bucket](flat)
         if n != bucket:
             outs = [o[:n] for o in outs]
         return outs[0] if self.single else tuple(outs)
