@@ -117,7 +117,7 @@ def build(
     compiler_flag: list[str] = COMPILER_FLAG,
     plugin: list[str] = PLUGIN,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile everything; neither read nor fill the compile cache."),
     require_cache: bool = typer.Option(False, "--require-cache", help="Fail, naming them, if any artifact is not cached (deploy jobs)."),
