@@ -21,6 +21,8 @@ Records are designed for what comes next:
     value of the dimension that the runtime pads, the entry's `bucket_kind`;
   * `form` says which graph an artifact holds: "static" (every shape fixed)
     or "unbacked" (data-dependent sizes kept, where a backend runs them);
+  * a weight input may be derived from checkpoint tensors by a named
+    transform (`transform`, `sources`; aotc.layout), applied at bind;
   * a cache whose regions have different dtypes is recorded as one CacheSpec
     per region, each its own allocation (DESIGN.md, Caches);
   * `digest()` identifies a whole bundle: the sha256 of its manifest, which
@@ -44,7 +46,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -63,6 +65,8 @@ ARTIFACT_FILES = {
 }
 
 BucketKind = Literal["batch", "chunk"]
+# Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
+TransformName = Literal["stack"]
 Form = Literal["static", "unbacked"]
 Served = Literal["compiled", "cache", "remote", "uncached"]
 
@@ -90,10 +94,14 @@ class TensorSpec:
 
 @dataclass
 class WeightSpec:
-    path: str  # parameter or buffer path inside the instance
+    path: str  # parameter or buffer path inside the instance; a derived weight's own name
     shape: list[int]
     dtype: str
     stride: list[int]
+    # A derived weight (aotc.layout): the named transform the runtime applies at bind
+    # to the sources, tensor paths inside the instance. None and [] for a plain one.
+    transform: TransformName | None
+    sources: list[str]
 
 
 @dataclass
@@ -393,6 +401,12 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
     if extra_type is None:
         raise error(f"{source}: backend.name: {manifest.backend.name!r} is not a backend; known: {', '.join(sorted(EXTRA_TYPES))}")
     for i, entry in enumerate(manifest.entries):
+        for j, w in enumerate(entry.weights):
+            if (w.transform is None) != (not w.sources):
+                raise error(
+                    f"{source}: entries[{i}].weights[{j}]: transform {w.transform!r} with {len(w.sources)} sources; "
+                    "a derived weight has a transform and sources, a plain one neither. Rebuild the bundle"
+                )
         kinds = manifest.shapes.buckets(entry.bucket_kind)
         if sorted(a.bucket for a in entry.artifacts) != sorted(kinds):
             raise error(

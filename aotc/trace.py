@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
+from .layout import GraphWeight, graph_weights, providing
 from .models.base import fake_tensor_mode
 from .passes import PassReport, needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
@@ -123,11 +124,11 @@ def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
 
 
 def _weight_signature(module: nn.Module) -> tuple:
-    return tuple((name, tuple(t.shape), str(t.dtype)) for name, t in weights_of(module))
+    return tuple((w.name, w.shape, str(w.dtype), w.transform) for w in graph_weights(module))
 
 
 def weights_of(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The graph's weight inputs, in order: parameters, then buffers."""
+    """The module's parameters, then its buffers."""
     return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
 
 
@@ -195,8 +196,29 @@ def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
     return fake_tensor_mode(), False
 
 
-def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> dict[str, torch.Tensor]:
-    return {name: (t if already else mode.from_tensor(t)) for name, t in weights_of(module)}
+def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tuple[list[GraphWeight], dict[str, torch.Tensor]]:
+    """The graph's weight inputs and a fake tensor for each."""
+    weights = graph_weights(module)
+    tensors = dict(weights_of(module))
+    device = next((t.device for t in tensors.values()), torch.device("cpu"))
+    values = {}
+    for w in weights:
+        if w.transform is None:
+            t = tensors[w.name]
+            values[w.name] = t if already else mode.from_tensor(t)
+        else:
+            with mode:
+                values[w.name] = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
+    return weights, values
+
+
+def _call(module: nn.Module, method: str, weights: list[GraphWeight], values: dict[str, torch.Tensor], args):
+    """Run the method with its weights swapped for `values`. Sources of derived weights
+    read as views of the derived input, so the graph has that one input for them."""
+    with providing(module, weights, values) as views:
+        swapped = {f"inner.{w.name}": values[w.name] for w in weights if w.transform is None}
+        swapped |= {f"inner.{k}": v for k, v in views.items()}
+        return torch.func.functional_call(_Method(module, method), swapped, args, tie_weights=False, strict=True)
 
 
 class _Method(nn.Module):
@@ -214,13 +236,13 @@ class _Method(nn.Module):
 def _attribute_reads(module: nn.Module, method: str, shapes: Shapes, path: str) -> dict:
     mode, already = _fake_mode_of(module)
     log: dict = {}
-    weights = _fake_weights(module, mode, already)
+    weights, values = _fake_weights(module, mode, already)
     with mode:
         args = module.example_inputs(method, 1, shapes)
     _check_tensor_args(module, method, args)
     try:
         with _recording(module, log, path or type(module).__name__), mode:
-            torch.func.functional_call(_Method(module, method), {f"inner.{k}": v for k, v in weights.items()}, args, tie_weights=False)
+            _call(module, method, weights, values, args)
     except TraceError:
         raise
     except Exception as e:  # the user's code failed on fake inputs; say where
@@ -248,7 +270,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
 
     module, spec = variant.module, variant.spec
     mode, already = _fake_mode_of(module)
-    weights = _fake_weights(module, mode, already)
+    graph_ws, weights = _fake_weights(module, mode, already)
     with mode:
         args = tuple(module.example_inputs(spec.method, bucket, shapes))
         if shapes.device != "cpu":  # the build machine needs no GPU: these are fake tensors
@@ -260,7 +282,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
             f"the method takes {len(spec.params)}: {', '.join(spec.params)}"
         )
     names = list(weights)
-    wrapper = _flat_wrapper(_Method(module, spec.method), names)
+    wrapper = _flat_wrapper(module, spec.method, graph_ws)
     _record_frames_of(module)
     t0 = time.perf_counter()
     try:
@@ -334,15 +356,14 @@ def _drop_stale_ranges(program: torch.export.ExportedProgram) -> None:
         del ranges[symbol]
 
 
-def _flat_wrapper(method_module: _Method, names: list[str]) -> nn.Module:
-    n = len(names)
+def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight]) -> nn.Module:
+    n = len(weights)
 
     class Flat(nn.Module):
-        # method_module is deliberately not a registered submodule: its weights
+        # module is deliberately not a registered submodule: its weights
         # must enter the graph as the inputs below, not as lifted parameters.
         def forward(self, *flat):
-            weights = {f"inner.{k}": v for k, v in zip(names, flat[:n])}
-            return torch.func.functional_call(method_module, weights, flat[n:], tie_weights=False, strict=True)
+            return _call(module, method, weights, {w.name: v for w, v in zip(weights, flat[:n])}, flat[n:])
 
     return Flat()
 

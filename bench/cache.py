@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from perf import console, table  # noqa: E402
 
-from aotc.format import write_json_atomic  # noqa: E402
+from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main() -> None:
         rows.append({"build": "2-way sharded + assemble", "seconds": sharded, "vs cold": sharded / cold})
     table("aotc build, embedded default model, inductor, buckets 1,2,4,8 + chunk 128 (9 graphs)", rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "rows": rows})
+    write_atomic(args.out, encode({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "rows": rows}))
     console.print(f"wrote {args.out}")
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 from perf import console, table  # noqa: E402
 
-from aotc.format import write_json_atomic  # noqa: E402
+from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.fp8 import rescale_weights  # noqa: E402
 
 CHUNK = 1 << 26
@@ -58,7 +58,7 @@ def main() -> None:
     ]
     table(f"rescale {args.elements:,} e4m3fn weights to trn2's e4m3 (value/2)", rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"elements": args.elements, "rows": rows})
+    write_atomic(args.out, encode({"elements": args.elements, "rows": rows}))
     console.print(f"wrote {args.out}")
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 from perf import console, table, timeit  # noqa: E402
 
-from aotc.format import write_json_atomic  # noqa: E402
+from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.passes.rewrite_skinny_linears import CHUNK  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main() -> None:
         rows.append(row)
     table(f"16 fp32 weights of 2816x1024 ({nbytes / 1e6:.0f} MB), compiled by Inductor", rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"weights_MB": nbytes / 1e6, "rows": rows})
+    write_atomic(args.out, encode({"weights_MB": nbytes / 1e6, "rows": rows}))
     console.print(f"wrote {args.out}")
 
 

@@ -1,7 +1,8 @@
 """DeepSeek V4 compiled: built on every backend and checked against eager.
 
-Default run: export and xla at one decode bucket (4) and one prefill chunk
-(128), and the neuron cross-build's HLO. Inductor, several decode buckets and
+Default run: export and xla at decode buckets 1 (the MoE reads only the
+chosen experts) and 4 (as many choices as experts: each expert on its
+tokens), one prefill chunk (128), and the neuron cross-build's HLO. Inductor, several decode buckets and
 other V4 configs are marked slow.
 """
 
@@ -51,7 +52,7 @@ def v4_dir(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("v4") / "v4", arch="deepseek_v4", layers=4)
 
 
-def v4_build(v4_dir, tmp_path, backend, buckets=(4,), **more):
+def v4_build(v4_dir, tmp_path, backend, buckets=(1, 4), **more):
     options = BuildOptions(v4_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(128,), max_seq=1024, backend=backend, use_cache=False, **more)
     return build(options)
 
@@ -71,20 +72,39 @@ def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
         ["SlidingBlock.decode.v0", "SlidingBlock.decode.v1", "SlidingBlock.prefill.v0", "SlidingBlock.prefill.v1",
          "CSABlock.decode", "CSABlock.prefill", "HCABlock.decode", "HCABlock.prefill", "V4Head.forward"]
     )  # fmt: skip
-    forms = {a.form for _, a in manifest.artifacts()}
+    strip = {(e.id, a.bucket): sum(p.changes for p in a.passes if p.name == "strip_data_dependent") for e, a in manifest.artifacts()}
+    forms = {(e.id, a.bucket): a.form for e, a in manifest.artifacts()}
+    # Decode at bucket 1 gathers the 2 chosen of 4 experts from the stacked weights: no nonzero.
+    gathered = {k for k in forms if ".decode" in k[0] and k[1] == 1}
+    assert len(gathered) == 4 and all(forms[k] == "static" and strip[k] == 0 for k in gathered), (forms, strip)
+    for entry in manifest.entries:
+        if entry.cls == "V4Head":
+            continue
+        derived = {w.path: w for w in entry.weights if w.transform}
+        assert sorted(derived) == ["ffn.stacked_w1", "ffn.stacked_w2", "ffn.stacked_w3"]
+        assert derived["ffn.stacked_w1"].sources == [f"ffn.experts.{e}.w1.weight" for e in range(4)]
+        assert derived["ffn.stacked_w2"].shape == [4, 128, 64]
+        assert not [w.path for w in entry.weights if w.path.startswith("ffn.experts.")]  # read through the stacked inputs only
+    others = set(forms) - gathered
     if backend == "xla":
-        assert forms == {"static"}  # the strip pass ran: nothing data-dependent reaches XLA
-        strip = {e.id: sum(p.changes for p in a.passes if p.name == "strip_data_dependent") for e, a in manifest.artifacts()}
-        assert all(strip[i] > 0 for i in ids if i != "V4Head.forward"), strip  # every block routes through nonzero
+        assert set(forms.values()) == {"static"}  # the strip pass ran: nothing data-dependent reaches XLA
+        assert all(strip[k] > 0 for k in others if k[0] != "V4Head.forward"), strip  # every expert on its tokens, through nonzero
         for _, art in manifest.artifacts():
             assert not hlo_dynamic_dims((result.out / art.dir / "hlo.txt").read_text())
     else:
-        assert forms == {"static", "unbacked"}  # the MoE's nonzero is kept where the backend runs it
+        assert {forms[k] for k in others if k[0] != "V4Head.forward"} == {"unbacked"}  # nonzero kept where the backend runs it
     bundle = Bundle.load(result.out)
     vocab = load_model(v4_dir, weights=False).config.vocab_size
     ps = prompts(vocab)
     # batch 3 padded into bucket 4 (and the long prompt in 6 chunks), then batch 1
     check_against_eager(bundle, v4_dir, [ps, [ps[0]]])
+    # Bound, the checkpoint's expert weights are views into the stacked graph input: one copy.
+    loaded = load_model(v4_dir)
+    bundle.bind(loaded.model)
+    layer = loaded.model.model.layers[1]
+    names = [w.path for w in next(e for e in manifest.entries if e.id == "CSABlock.decode").weights]
+    stacked = vars(layer)["decode"].weights[names.index("ffn.stacked_w1")]
+    assert [x.w1.weight.data_ptr() for x in layer.ffn.experts] == [stacked[e].data_ptr() for e in range(4)]
 
 
 def test_v4_neuron_cross_build_writes_static_hlo_and_commands(v4_dir, tmp_path, monkeypatch):
@@ -93,7 +113,7 @@ def test_v4_neuron_cross_build_writes_static_hlo_and_commands(v4_dir, tmp_path, 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the build stops after the HLO
     result = v4_build(v4_dir, tmp_path, "neuron")
     arts = list(result.manifest.artifacts())
-    assert len(arts) == 9 and all(a.pending for _, a in arts)
+    assert len(arts) == 14 and all(a.pending for _, a in arts)  # 5 batch entries at 2 buckets, 4 prefill
     for _, art in arts:
         folder = result.out / art.dir
         assert set(art.files) == {"hlo.pb", "hlo.txt", "command.txt"}

@@ -9,7 +9,6 @@ from typer.testing import CliRunner
 
 from aotc.build import BuildOptions, build, build_keys
 from aotc.cli import DEFAULT_PROMPTS, app
-from aotc.models.tiny import write_tiny
 
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
 

@@ -10,6 +10,7 @@ import torch
 
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError
+from aotc.format import FORMAT_VERSION
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, Dispatcher, generate
 
@@ -175,7 +176,7 @@ def test_other_format_version_is_refused(tiny_bundle, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["format_version"] = 999
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="format_version is 999, this aotc reads format 2 only; rebuild"):
+    with pytest.raises(BundleError, match=f"format_version is 999, this aotc reads format {FORMAT_VERSION} only; rebuild"):
         Bundle.load(copy)
 
 

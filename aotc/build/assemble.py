@@ -9,7 +9,8 @@ import torch
 from .. import __version__
 from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, WeightSpec
 from ..passes import pipeline_identity
-from ..trace import Variant, dtype_name, weights_of
+from ..layout import graph_weights
+from ..trace import Variant, dtype_name
 from .obtain import BuiltArtifact
 from .plan import Plan
 
@@ -44,6 +45,9 @@ def _entry(variant: Variant, records) -> EntryRecord:
         split=variant.spec.split,
         variant=variant.attributes,
         instances=[path for path, _ in variant.instances],
-        weights=[WeightSpec(name, list(t.shape), dtype_name(t.dtype), list(t.stride())) for name, t in weights_of(variant.module)],
+        weights=[
+            WeightSpec(w.name, list(w.shape), dtype_name(w.dtype), list(w.stride), w.transform, list(w.sources))
+            for w in graph_weights(variant.module)
+        ],
         artifacts=records,
     )

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..entry import entry
+from ..layout import Derived, derived
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
@@ -334,14 +335,15 @@ class Indexer(nn.Module):
         self.heads, self.dim, self.topk, self.rate = c.index_n_heads, c.index_head_dim, c.index_topk, c.compress_rate_csa
 
     def select(self, h, q_residual, positions, cos, sin, keys):
-        """-> [N, E] bool: the compressed entries each query attends to. keys: [N, E, dim]."""
+        """-> [N, E] bool: the compressed entries each query attends to. keys: [E, dim]
+        (shared by the rows) or [N, E, dim]."""
         q = apply_rope(self.wq_b(q_residual).view(-1, self.heads, self.dim), cos, sin)  # [N, Hi, Di]
-        scores = F.relu(torch.einsum("nhd,ned->nhe", q.float(), keys.float())) * self.dim**-0.5
+        scores = F.relu(q.float() @ keys.float().transpose(-1, -2)) * self.dim**-0.5
         weights = self.weights_proj(h).float() * self.heads**-0.5  # [N, Hi]
         scores = (scores * weights[:, :, None]).sum(dim=1)  # [N, E]
-        ready = torch.arange(keys.shape[1])[None, :] < ((positions + 1) // self.rate)[:, None]
+        ready = torch.arange(keys.shape[-2])[None, :] < ((positions + 1) // self.rate)[:, None]
         scores = scores.masked_fill(~ready, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         chosen = torch.zeros_like(ready).scatter_(1, top, True)
         return chosen & ready
 
@@ -375,8 +377,10 @@ class Attention(nn.Module):
     def rope(self, kind: str) -> tuple[torch.Tensor, float]:
         return getattr(self, f"{kind}_inv_freq"), getattr(self, f"{kind}_scale")
 
-    def forward(self, h, ids, positions, slots, caches):
-        """h: [N, hidden]; rows are tokens at `positions` of the sequences in `slots`."""
+    def forward(self, h, ids, positions, slots, caches, one_sequence=False):
+        """h: [N, hidden]; rows are tokens at `positions` of the sequences in `slots`.
+        one_sequence: the rows are consecutive tokens of one sequence (prefill; padding
+        rows, if any, come last), so they share one set of keys."""
         n = h.shape[0]
         cos, sin = rope_at(*self.rope(self.rope_kind), positions, h.dtype)
         q_residual = self.q_norm(self.wq_a(h))
@@ -385,32 +389,43 @@ class Attention(nn.Module):
         kv_cache = caches["kv"]
         kv_cache[slots, positions] = kv
 
-        # Sliding window over this slot's cached positions.
-        keys = kv_cache[slots]  # [N, S, D]
-        k_pos = torch.arange(keys.shape[1])[None, :]
-        visible = (k_pos <= positions[:, None]) & (k_pos > positions[:, None] - self.window)
+        # Sliding window: the cached positions up to `window` back from each row's own.
+        # Keys are gathered for the window's span only, not the whole cache.
+        if one_sequence:  # one span for all rows: [window + N - 1] positions, keys [S', D]
+            span = positions[0] - self.window + 1 + torch.arange(self.window + n - 1)
+            keys = kv_cache[slots[:1, None], span.clamp(0, kv_cache.shape[1] - 1)][0]
+            k_pos = span[None, :]
+        else:  # a span per row: keys [N, window, D]
+            span = positions[:, None] - self.window + 1 + torch.arange(self.window)
+            keys = kv_cache[slots[:, None], span.clamp(0, kv_cache.shape[1] - 1)]
+            k_pos = span
+        visible = (k_pos >= 0) & (k_pos <= positions[:, None]) & (k_pos > positions[:, None] - self.window)
         if hasattr(self, "compressor"):
             comp = self.compressor
             comp.store(h, slots, positions, caches["comp_kv"], caches["comp_gate"])
             comp.emit(slots, positions, caches["comp_kv"], caches["comp_gate"], caches["comp"], *self.rope("compress"))
-            entries = caches["comp"][slots]  # [N, E, D]
+            def of_rows(cache):  # [E, D] shared by the rows, or [N, E, D]; slots[:1], not the .item() of slots[0]
+                return cache[slots[:1]][0] if one_sequence else cache[slots]
+
+            entries = of_rows(caches["comp"])
             if hasattr(self, "indexer"):
                 ix = self.indexer
                 ix.compressor.store(h, slots, positions, caches["idx_kv"], caches["idx_gate"])
                 ix.compressor.emit(slots, positions, caches["idx_kv"], caches["idx_gate"], caches["idx_comp"], *self.rope("compress"))
                 icos, isin = rope_at(*self.rope("compress"), positions, h.dtype)
-                picked = ix.select(h, q_residual, positions, icos, isin, caches["idx_comp"][slots])
+                picked = ix.select(h, q_residual, positions, icos, isin, of_rows(caches["idx_comp"]))
             else:  # HCA: every entry whose window has closed
-                picked = torch.arange(entries.shape[1])[None, :] < ((positions + 1) // comp.rate)[:, None]
-            keys = torch.cat([keys, entries], dim=1)
+                picked = torch.arange(entries.shape[-2])[None, :] < ((positions + 1) // comp.rate)[:, None]
+            keys = torch.cat([keys, entries], dim=-2)
             visible = torch.cat([visible, picked], dim=1)
 
-        scores = torch.einsum("nhd,nsd->nhs", q, keys) * self.head_dim**-0.5
+        # keys [S, D] (shared) or [N, S, D]: matmul folds the shared case into one product
+        scores = (q @ keys.transpose(-1, -2)) * self.head_dim**-0.5  # [N, H, S]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         sink = self.attn_sink.to(scores.dtype)[None, :, None].expand(n, -1, 1)
         logits = torch.cat([scores, sink], dim=-1)
         probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out = torch.einsum("nhs,nsd->nhd", probs.to(keys.dtype), keys)  # [N, H, D]
+        out = probs.to(keys.dtype) @ keys  # [N, H, D]
         out = apply_rope(out, cos, -sin)  # values carried RoPE: rotate it back at the query position
         grouped = self.wo_a(out.reshape(n, self.groups, -1)).flatten(1)
         return self.wo_b(grouped)
@@ -463,14 +478,35 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype) for _ in range(c.n_routed_experts))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype)
 
+    def derived_weights(self):
+        # Compiled graphs take the experts stacked, [E, out, in], so that a decode step
+        # can index the chosen experts' matrices and read no others.
+        n = len(self.experts)
+        return {f"stacked_{w}": Derived("stack", tuple(f"experts.{e}.{w}.weight" for e in range(n))) for w in ("w1", "w2", "w3")}
+
     def forward(self, x, ids):
         chosen, weights = self.gate(x, ids)  # [N, k]
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-            torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
-            out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
+        stacked = derived(self)
+        if stacked is not None and chosen.numel() < len(self.experts):
+            out = self.gathered(x, chosen, weights, stacked)
+        else:  # eager, or as many choices as experts: each expert once, on its tokens
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
+                torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
+                out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
         return out + self.shared_experts(x)
+
+    def gathered(self, x, chosen, weights, stacked):
+        """The experts' SwiGLU on each token's chosen experts only. Written as multiply
+        and sum over the indexed matrices: Inductor fuses the indexing into the
+        reduction, so each chosen matrix is read once and none is copied."""
+        limit = self.experts[0].limit
+        xe = x[:, None, None, :]  # [N, 1, 1, H]
+        gate = (xe * stacked["stacked_w1"][chosen]).sum(-1).clamp(max=limit)  # [N, k, I]
+        up = (xe * stacked["stacked_w3"][chosen]).sum(-1).clamp(min=-limit, max=limit)
+        h = F.silu(gate) * up * weights[..., None]
+        return (h[:, :, None, :] * stacked["stacked_w2"][chosen]).sum((1, 3)).to(x.dtype)
 
 
 def hyper_weights(streams, fn, base, scale, iters: int, eps: float):
@@ -528,9 +564,9 @@ class Block(nn.Module):
                 args.append(torch.zeros(shapes.slots, shapes.max_seq // comp.rate, comp.dim, dtype=dtype))
         return tuple(args)
 
-    def step(self, x, ids, positions, slots, caches):
+    def step(self, x, ids, positions, slots, caches, one_sequence=False):
         # x: [N, hc, hidden]
-        x = self.mix("attn", x, lambda h: self.attn(self.attn_norm(h), ids, positions, slots, caches))
+        x = self.mix("attn", x, lambda h: self.attn(self.attn_norm(h), ids, positions, slots, caches, one_sequence))
         return self.mix("ffn", x, lambda h: self.ffn(self.ffn_norm(h), ids))
 
 
@@ -541,7 +577,7 @@ class SlidingBlock(Block):
 
     @entry(bucket="chunk", caches=("kv",), pad={"slots": SCRATCH_SLOT}, split=True)
     def prefill(self, x, ids, positions, slots, kv):
-        return self.step(x, ids, positions, slots, {"kv": kv})
+        return self.step(x, ids, positions, slots, {"kv": kv}, one_sequence=True)
 
 
 class HCABlock(Block):
@@ -551,7 +587,7 @@ class HCABlock(Block):
 
     @entry(bucket="chunk", caches=("kv", "comp_kv", "comp_gate", "comp"), pad={"slots": SCRATCH_SLOT}, split=True)
     def prefill(self, x, ids, positions, slots, kv, comp_kv, comp_gate, comp):
-        return self.step(x, ids, positions, slots, dict(kv=kv, comp_kv=comp_kv, comp_gate=comp_gate, comp=comp))
+        return self.step(x, ids, positions, slots, dict(kv=kv, comp_kv=comp_kv, comp_gate=comp_gate, comp=comp), one_sequence=True)
 
 
 class CSABlock(Block):
@@ -565,7 +601,7 @@ class CSABlock(Block):
     @entry(bucket="chunk", caches=CACHES, pad={"slots": SCRATCH_SLOT}, split=True)
     def prefill(self, x, ids, positions, slots, kv, comp_kv, comp_gate, comp, idx_kv, idx_gate, idx_comp):
         caches = dict(kv=kv, comp_kv=comp_kv, comp_gate=comp_gate, comp=comp, idx_kv=idx_kv, idx_gate=idx_gate, idx_comp=idx_comp)
-        return self.step(x, ids, positions, slots, caches)
+        return self.step(x, ids, positions, slots, caches, one_sequence=True)
 
 
 BLOCKS = {"sliding_attention": SlidingBlock, "heavily_compressed_attention": HCABlock, "compressed_sparse_attention": CSABlock}

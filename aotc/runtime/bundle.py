@@ -19,6 +19,7 @@ from ..backends import Runner, get_backend
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
+from ..layout import TRANSFORMS
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
@@ -111,6 +112,7 @@ class Bundle:
 
     def bind(self, model: nn.Module) -> None:
         """Replace each entry method of each instance with its compiled dispatcher."""
+        derived: dict = {}  # one derived tensor per instance, whichever entries read it
         for entry in self.manifest.entries:
             runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
@@ -118,7 +120,7 @@ class Bundle:
                     instance = model.get_submodule(path)
                 except AttributeError:
                     raise BundleError(f"{self.dir}: entry {entry.id} is for module {path!r}, which the model does not have") from None
-                weights = [_weight(instance, path, w, self.dir) for w in entry.weights]
+                weights = [_weight(instance, path, w, self.dir, derived) for w in entry.weights]
                 setattr(instance, entry.method, Dispatcher(entry, runners, weights))
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
         unbound = [
@@ -157,24 +159,48 @@ def _check_signature(bundle: Path, entry, art, found) -> None:
         )
 
 
-def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:
-    name = spec.path
-    try:
-        t = instance.get_parameter(name)
-    except AttributeError:
-        try:
-            t = instance.get_buffer(name)
-        except AttributeError:
-            raise BundleError(f"{bundle}: {path}.{name} is a graph input but the model has no such parameter") from None
+def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, derived: dict) -> torch.Tensor:
+    if spec.transform is None:
+        t = _tensor(instance, path, spec.path, bundle)
+    else:
+        key = (path, spec.path, spec.transform, tuple(spec.sources))
+        if key not in derived:
+            derived[key] = _derive(instance, path, spec, bundle)
+        t = derived[key]
     if list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
         raise BundleError(
-            f"weight {path}.{name} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
+            f"weight {path}.{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
             f"{spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
         )
     if list(t.stride()) != spec.stride:
         # Compiled code indexes weights with the traced strides: other strides would run silently wrong.
         raise BundleError(
-            f"weight {path}.{name} has strides {list(t.stride())}, but bundle {bundle} was built for "
+            f"weight {path}.{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for "
             f"{spec.stride}; make it contiguous (tensor.contiguous()) before binding"
         )
     return t.detach()
+
+
+def _tensor(instance: nn.Module, path: str, name: str, bundle: Path) -> torch.Tensor:
+    try:
+        return instance.get_parameter(name)
+    except AttributeError:
+        try:
+            return instance.get_buffer(name)
+        except AttributeError:
+            raise BundleError(f"{bundle}: {path}.{name} is a graph input but the model has no such parameter") from None
+
+
+def _derive(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:
+    """Apply a derived weight's transform to its sources, once, and re-point the sources
+    at views of the result: eager code reads the same values and memory is not doubled."""
+    transform = TRANSFORMS[spec.transform]
+    sources = [_tensor(instance, path, s, bundle) for s in spec.sources]
+    shapes = {(tuple(s.shape), s.dtype) for s in sources}
+    if len(shapes) > 1:
+        raise BundleError(f"weight {path}.{spec.path}: its sources {path}.{spec.sources[0]}... differ in shape or dtype; rebuild the bundle for these weights")
+    with torch.no_grad():
+        out = transform.apply([s.detach() for s in sources])
+        for source, view in zip(sources, transform.views(out, len(sources))):
+            source.data = view
+    return out

@@ -13,7 +13,8 @@ from aotc.models.tiny import write_tiny
 from aotc.passes import needs_static, pipeline_for
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears
 from aotc.passes.strip_data_dependent import StripDataDependent, has_unbacked
-from aotc.trace import Shapes, find_variants, trace, weights_of
+from aotc.layout import weight_values
+from aotc.trace import Shapes, find_variants, trace
 
 aten = torch.ops.aten
 DATA_DEPENDENT = {aten.nonzero.default, aten.nonzero_numpy.default, aten.item.default, aten._local_scalar_dense.default}
@@ -247,7 +248,7 @@ def test_every_v4_entry_is_static_and_matches_eager(v4):
             for name, a in inputs.items():
                 pad = torch.full((1, *a.shape[1:]), spec.pad.get(name, 0), dtype=a.dtype)
                 args.append(a.clone() if name in spec.caches else torch.cat([a, pad]))
-            (out,) = gm(*[w.detach() for _, w in weights_of(layer)], *args)
+            (out,) = gm(*weight_values(layer), *args)
             torch.testing.assert_close(out[:3], expected, atol=1e-4, rtol=1e-4, msg=f"{variant.entry_id} {path}")
             for name, graph_cache, eager_cache in zip(inputs, args, eager):
                 if name in spec.caches:  # the real slots; the scratch slot holds padding
@@ -269,7 +270,7 @@ def test_v4_keeps_unbacked_nonzero_for_export(v4, tmp_path):
     eager = [a.clone() for a in inputs.values()]
     expected = layer.decode(*eager)
     args = [a.clone() for a in inputs.values()]
-    out = loaded(*[w.detach() for _, w in weights_of(layer)], *args)
+    out = loaded(*weight_values(layer), *args)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -291,6 +292,6 @@ def test_v4_static_graph_with_skinny_linears_compiles_with_inductor(v4, tmp_path
     eager = [a.clone() for a in inputs.values()]
     expected = layer.decode(*eager)
     args = [a.clone() for a in inputs.values()]
-    (out,) = run([w.detach() for _, w in weights_of(layer)] + args)
+    (out,) = run(weight_values(layer) + args)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(args[-1], eager[-1], atol=1e-5, rtol=1e-5)  # the kv cache, written in place

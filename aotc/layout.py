@@ -1,0 +1,149 @@
+"""Load-time weight layouts: graph inputs derived from checkpoint tensors.
+
+A module may want its weights in another layout in compiled graphs than the
+checkpoint stores them in: a MoE layer reads its experts stacked into one
+[E, out, in] tensor, so that a decode step gathers only the chosen experts'
+matrices. It declares so with `derived_weights()`:
+
+    class MoE(nn.Module):
+        def derived_weights(self):
+            return {"w1": Derived("stack", tuple(f"experts.{e}.w1.weight" for e in range(n)))}
+
+        def forward(self, x):
+            stacked = aotc.derived(self)  # the graph inputs while traced; None in eager
+            ...
+
+The tracer makes each derived weight one graph input in place of its sources,
+and the manifest records it as a named transform of checkpoint tensor paths.
+The runtime applies the transform once, at bind, and re-points the sources at
+views of the result, so memory is not doubled and eager code keeps reading the
+checkpoint's names. Transforms are a fixed set of named functions: a bundle
+names one, it never carries code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import TraceError
+from .format import TransformName
+
+
+@dataclass(frozen=True)
+class Transform:
+    apply: Callable[[list[torch.Tensor]], torch.Tensor]  # checkpoint tensors -> the graph input
+    # The sources as views of the result: bind re-points them there (no second copy), and
+    # the tracer passes them so that code reading a source reads the graph input.
+    views: Callable[[torch.Tensor, int], list[torch.Tensor]]
+
+
+def _stack_views(out: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(out.unbind(0))
+
+
+TRANSFORMS: dict[str, Transform] = {"stack": Transform(torch.stack, _stack_views)}
+
+
+@dataclass(frozen=True)
+class Derived:
+    transform: TransformName
+    sources: tuple[str, ...]  # tensor paths inside the declaring module, in order
+
+
+@dataclass(frozen=True)
+class GraphWeight:
+    """One weight input of an entry's graph: a parameter or buffer, or a derived tensor."""
+
+    name: str  # path inside the entry instance
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    transform: str | None = None
+    sources: tuple[str, ...] = ()  # paths inside the entry instance
+
+
+def graph_weights(module: nn.Module) -> list[GraphWeight]:
+    """The weight inputs of an entry's graph, in order: the parameters and buffers that no
+    derived weight consumes, then the derived weights."""
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    derived = []
+    consumed: set[str] = set()
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, d in _declared(sub).items():
+            sources = tuple(prefix + s for s in d.sources)
+            missing = [s for s in sources if s not in tensors]
+            if missing:
+                raise TraceError(f"{type(sub).__qualname__}.derived_weights(): {name!r} reads {missing[0]!r}, which is not a parameter or buffer")
+            if consumed & set(sources):
+                raise TraceError(f"{type(sub).__qualname__}.derived_weights(): {name!r} reads a tensor that another derived weight reads")
+            consumed |= set(sources)
+            meta = derive_meta(d.transform, [tensors[s] for s in sources], f"{type(sub).__qualname__}.derived_weights()[{name!r}]")
+            derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources))
+    plain = [GraphWeight(n, tuple(t.shape), t.dtype, tuple(t.stride())) for n, t in tensors.items() if n not in consumed]
+    return plain + derived
+
+
+def weight_values(module: nn.Module) -> list[torch.Tensor]:
+    """The graph's weight inputs for this instance, in order; derived ones are computed
+    (a copy: unlike a bind, the sources stay where they are)."""
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        return [
+            tensors[w.name].detach() if w.transform is None else TRANSFORMS[w.transform].apply([tensors[s].detach() for s in w.sources])
+            for w in graph_weights(module)
+        ]
+
+
+def derive_meta(transform: str, sources: list[torch.Tensor], where: str) -> torch.Tensor:
+    """The transform's result on meta tensors: its shape, dtype and strides without the data."""
+    metas = [torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device="meta") for s in sources]
+    try:
+        return TRANSFORMS[transform].apply(metas)
+    except Exception as e:  # e.g. stacking tensors of different shapes
+        raise TraceError(f"{where}: transform {transform!r} fails on its sources: {e}") from e
+
+
+def _declared(module: nn.Module) -> dict[str, Derived]:
+    fn = getattr(module, "derived_weights", None)
+    return fn() if callable(fn) else {}
+
+
+# -- while tracing: the derived graph inputs of each module ----------------------------
+
+# id(module) -> its derived graph inputs, while an entry is traced. A plain dict, not a
+# ContextVar: torch.compile traces through a dict lookup but breaks the graph at
+# ContextVar.get. Tracing is single-threaded (build workers are processes).
+_ACTIVE: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def derived(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The module's derived weights while its entry is traced (graph inputs), else None:
+    eager code reads the checkpoint's tensors."""
+    return _ACTIVE.get(id(module))
+
+
+@contextlib.contextmanager
+def providing(module: nn.Module, weights: list[GraphWeight], values: dict[str, torch.Tensor]):
+    """Make `derived()` answer with `values` (by graph weight name) inside `module`, and
+    yield the sources' views, to be swapped in for the sources themselves."""
+    active: dict[int, dict[str, torch.Tensor]] = {}
+    views: dict[str, torch.Tensor] = {}
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for name in _declared(sub):
+            w = next(w for w in weights if w.name == prefix + name)
+            active.setdefault(id(sub), {})[name] = values[w.name]
+            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.name], len(w.sources))))
+    before = dict(_ACTIVE)
+    _ACTIVE.update(active)
+    try:
+        yield views
+    finally:
+        _ACTIVE.clear()
+        _ACTIVE.update(before)
