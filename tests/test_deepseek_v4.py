@@ -32,8 +32,9 @@ from aotc.runtime import generate  # noqa: E402
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
 
 
-def hf_model(seed=0, index_n_heads=8):
-    """A tiny random V4 with every layer type and both MoE kinds; window 8, CSA every 4, HCA every 8."""
+def hf_model(seed=0, index_n_heads=8, **more):
+    """A tiny random V4 with every layer type and both MoE kinds; window 8, CSA every 4, HCA every 8.
+    `more`: other config fields (the same seed gives the same weights)."""
     torch.manual_seed(seed)
     config = transformers.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
@@ -42,7 +43,7 @@ def hf_model(seed=0, index_n_heads=8):
         layer_types=LAYERS, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=index_n_heads, index_head_dim=16, index_topk=3,
-        hc_mult=2, hc_sinkhorn_iters=5, max_position_embeddings=512, partial_rotary_factor=0.5, initializer_range=0.2,
+        hc_mult=2, hc_sinkhorn_iters=5, max_position_embeddings=512, partial_rotary_factor=0.5, initializer_range=0.2, **more,
     )  # fmt: skip
     model = transformers.DeepseekV4ForCausalLM(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
@@ -108,6 +109,41 @@ def test_greedy_generation_matches_transformers(pair):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
         assert seq.new_ids == out[0, len(prompt) :].tolist()
         assert not indexer_ties(hf, torch.tensor(prompt + seq.new_ids))
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1, "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("change", [{"scoring_func": "sigmoid"}, {"rope_parameters": YARN}], ids=["sigmoid-router", "yarn-rope"])
+def test_router_and_rope_variants_match_transformers(pair, tmp_path, change):
+    hf = hf_model(**change)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    ids = ids_of(40, 3)
+    assert not indexer_ties(hf, ids)
+    with torch.no_grad():
+        expected = hf(ids[None], use_cache=False).logits[0]
+    torch.testing.assert_close(ours.model.prompt_logits(ids), expected, atol=1e-4, rtol=1e-4)
+    # The variant is in effect: the default config's logits, same weights, differ.
+    default = pair[2].model.prompt_logits(ids)
+    assert (default - expected).abs().max() > 1e-2
+
+
+def test_softmax_router_against_its_formula(pair):
+    """transformers has no softmax scoring for V4 (it looks the name up among activations): the formula by hand."""
+    gate = pair[2].model.model.layers[2].ffn.gate  # a top-k (not hashed) router
+    gate.scoring = "softmax"
+    try:
+        x = torch.randn(5, gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        chosen, weights = gate(x, None)
+    finally:
+        gate.scoring = "sqrtsoftplus"
+    scores = torch.exp(x @ gate.weight.T)
+    scores = scores / scores.sum(-1, keepdim=True)
+    expected_chosen = (scores + gate.bias).argsort(dim=-1, descending=True)[:, : gate.topk]
+    assert [sorted(r) for r in chosen.tolist()] == [sorted(r) for r in expected_chosen.tolist()]
+    picked = scores.gather(1, chosen)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * gate.scaling)
 
 
 def test_transformers_paths_disagree_only_on_exact_indexer_ties():
