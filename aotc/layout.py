@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -39,14 +39,10 @@ class Transform:
     apply: Callable[[list[torch.Tensor]], torch.Tensor]  # checkpoint tensors -> the graph input
     # The sources as views of the result: bind re-points them there (no second copy), and
     # the tracer passes them so that code reading a source reads the graph input.
-    views: Callable[[torch.Tensor, int], list[torch.Tensor]]
+    views: Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
 
-def _stack_views(out: torch.Tensor, n: int) -> list[torch.Tensor]:
-    return list(out.unbind(0))
-
-
-TRANSFORMS: dict[str, Transform] = {"stack": Transform(torch.stack, _stack_views)}
+TRANSFORMS: dict[str, Transform] = {"stack": Transform(torch.stack, torch.unbind)}
 
 
 @dataclass(frozen=True)
@@ -67,10 +63,15 @@ class GraphWeight:
     sources: tuple[str, ...] = ()  # paths inside the entry instance
 
 
+def weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters, then its buffers, by path."""
+    return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+
+
 def graph_weights(module: nn.Module) -> list[GraphWeight]:
     """The weight inputs of an entry's graph, in order: the parameters and buffers that no
     derived weight consumes, then the derived weights."""
-    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    tensors = weights_of(module)
     derived = []
     consumed: set[str] = set()
     for path, sub in module.named_modules():
@@ -92,7 +93,7 @@ def graph_weights(module: nn.Module) -> list[GraphWeight]:
 def weight_values(module: nn.Module) -> list[torch.Tensor]:
     """The graph's weight inputs for this instance, in order; derived ones are computed
     (a copy: unlike a bind, the sources stay where they are)."""
-    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    tensors = weights_of(module)
     with torch.no_grad():
         return [
             tensors[w.name].detach() if w.transform is None else TRANSFORMS[w.transform].apply([tensors[s].detach() for s in w.sources])
@@ -139,7 +140,7 @@ def providing(module: nn.Module, weights: list[GraphWeight], values: dict[str, t
         for name in _declared(sub):
             w = next(w for w in weights if w.name == prefix + name)
             active.setdefault(id(sub), {})[name] = values[w.name]
-            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.name], len(w.sources))))
+            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.name])))
     before = dict(_ACTIVE)
     _ACTIVE.update(active)
     try:

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
-from .layout import GraphWeight, graph_weights, providing
+from .layout import GraphWeight, graph_weights, providing, weights_of
 from .models.base import fake_tensor_mode
 from .passes import PassReport, needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
@@ -127,11 +127,6 @@ def _weight_signature(module: nn.Module) -> tuple:
     return tuple((w.name, w.shape, str(w.dtype), w.transform) for w in graph_weights(module))
 
 
-def weights_of(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The module's parameters, then its buffers."""
-    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-
-
 @contextlib.contextmanager
 def _recording(module: nn.Module, log: dict, prefix: str):
     """Record plain attributes read from the instance's __dict__ (and its submodules')."""
@@ -185,7 +180,7 @@ def _freeze(value, where: str):
 def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
     """The fake mode of the module's weights (a build's), or a new one; either has a
     ShapeEnv, so that data-dependent ops run and are captured as unbacked symbols."""
-    for _, t in weights_of(module):
+    for t in weights_of(module).values():
         if isinstance(t, FakeTensor):
             if t.fake_mode.shape_env is None:
                 raise TraceError(
@@ -199,7 +194,7 @@ def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
 def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tuple[list[GraphWeight], dict[str, torch.Tensor]]:
     """The graph's weight inputs and a fake tensor for each."""
     weights = graph_weights(module)
-    tensors = dict(weights_of(module))
+    tensors = weights_of(module)
     device = next((t.device for t in tensors.values()), torch.device("cpu"))
     values = {}
     for w in weights:

@@ -163,7 +163,7 @@ def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, deri
     if spec.transform is None:
         t = _tensor(instance, path, spec.path, bundle)
     else:
-        key = (path, spec.path, spec.transform, tuple(spec.sources))
+        key = (path, spec.path)
         if key not in derived:
             derived[key] = _derive(instance, path, spec, bundle)
         t = derived[key]
@@ -201,6 +201,6 @@ def _derive(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> t
         raise BundleError(f"weight {path}.{spec.path}: its sources {path}.{spec.sources[0]}... differ in shape or dtype; rebuild the bundle for these weights")
     with torch.no_grad():
         out = transform.apply([s.detach() for s in sources])
-        for source, view in zip(sources, transform.views(out, len(sources))):
+        for source, view in zip(sources, transform.views(out)):
             source.data = view
     return out
