@@ -62,6 +62,8 @@ def init_tiny(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
     force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds files."),
+    quantize: str = typer.Option("none", "--quantize", help="none | fp8 (the decoder layers' linear weights as float8_e4m3fn, a scale per 128x128 block) | fp4-experts (also routed experts as packed fp4, an E8M0 scale per 32: DeepSeek V4)."),
+    checkpoint_layout: str = typer.Option("hf", "--checkpoint-layout", help="hf (Hugging Face names, float32 weight_scale_inv) | deepseek (DeepSeek's names, E8M0 .scale)."),
     plugin: list[str] = PLUGIN,
 ):
     """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
@@ -71,10 +73,10 @@ def init_tiny(
 
     try:
         load_plugins(plugin)
-        path = write_tiny(out, arch=arch, layers=layers, seed=seed, force=force, **parse_flags(set_field, "--set"))
+        path = write_tiny(out, arch=arch, layers=layers, seed=seed, force=force, quantize=quantize, layout=checkpoint_layout, **parse_flags(set_field, "--set"))
     except AotcError as e:
         _fail(e)
-    console.print(f"wrote {arch} model with {layers} layers to {path}")
+    console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}")
 
 
 def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, **more):
@@ -102,7 +104,7 @@ PREFILL_CHUNK = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengt
 MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
 BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
-COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type, fp8_max).")
+COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -300,7 +302,9 @@ def run(
         else:
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
             model_dir = model or Path(b.manifest.model.source)
-            loaded = load_model(model_dir)
+            # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
+            # also needs them dequantized, for eager.
+            loaded = load_model(model_dir, stored=True if check else b.stored_params())
             b.check_model(loaded)
             loaded.model.to(b.device)
             tokenizer = _tokenizer(model_dir)

@@ -23,6 +23,9 @@ Records are designed for what comes next:
     or "unbacked" (data-dependent sizes kept, where a backend runs them);
   * a weight input may be derived from checkpoint tensors by a named
     transform (`transform`, `sources`; aotc.layout), applied at bind;
+  * a weight the checkpoint stores in low precision is two inputs, its values
+    and its scales (`stored`; aotc.quant), and says how the target reads fp8
+    bytes (trn2: as IEEE e4m3, so bind rescales them; aotc.fp8);
   * a cache whose regions have different dtypes is recorded as one CacheSpec
     per region, each its own allocation (DESIGN.md, Caches);
   * `digest()` identifies a whole bundle: the sha256 of its manifest, which
@@ -46,7 +49,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -67,6 +70,9 @@ ARTIFACT_FILES = {
 BucketKind = Literal["batch", "chunk"]
 # Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
 TransformName = Literal["stack"]
+StoredFormat = Literal["fp8", "fp4"]  # aotc.quant
+StoredPart = Literal["values", "scale"]
+Fp8Reading = Literal["e4m3fn", "e4m3"]  # how the target reads float8_e4m3fn bytes (aotc.fp8)
 Form = Literal["static", "unbacked"]
 Served = Literal["compiled", "cache", "remote", "uncached"]
 
@@ -102,6 +108,17 @@ class WeightSpec:
     # to the sources, tensor paths inside the instance. None and [] for a plain one.
     transform: TransformName | None
     sources: list[str]
+    stored: StoredSpec | None  # a part of a low-precision weight; None for any other
+
+
+@dataclass
+class StoredSpec:
+    format: StoredFormat
+    part: StoredPart
+    dtype: str  # what the weight dequantizes to
+    # "e4m3": the target reads fp8 bytes as IEEE e4m3 (trn2), so bind rewrites fp8
+    # values as value/2 and doubles their scales, once (aotc.fp8).
+    fp8_reading: Fp8Reading
 
 
 @dataclass

@@ -13,9 +13,9 @@ and an odd mantissa (|v| in {1,3,5,7} * 2**-9 and {9,11,13,15} * 2**-9), whose
 halves fall between e4m3's subnormals; they round to nearest, ties to even
 (an error of 2**-10 at most). NaN stays NaN.
 
-Activations and caches quantize to a maximum of 224 by default
-(`quantize`): below 240, e4m3fn and e4m3 encode every value with the same
-byte, so what the host writes is what trn2 reads.
+Checkpoint weights quantize to at most 448 (`quantize_fp8`), so rescaled
+they stay within 224, under e4m3's 240: below 240, e4m3fn and e4m3 encode
+every value with the same byte, so what the host writes is what trn2 reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 
 E4M3FN_MAX = 448.0
 E4M3_MAX = 240.0
-DEFAULT_MAX = 224.0
 
 
 def decode_e4m3fn(byte: int) -> float:
@@ -116,10 +115,10 @@ def rescale_scales(scales: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     return scales * 2
 
 
-def quantize(x: torch.Tensor, max_value: float = DEFAULT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (float8_e4m3fn values within +-max_value, float32 scale) with x ~= values * scale."""
-    if not 0 < max_value <= E4M3_MAX:
-        raise ValueError(f"max_value {max_value}: expected 0 < max_value <= {E4M3_MAX} (trn2's e4m3 maximum)")
-    scale = x.abs().amax().float().clamp(min=1e-12) / max_value
-    q = (x.float() / scale).clamp(-max_value, max_value).to(torch.float8_e4m3fn)
-    return q, scale
+def quantize_fp8(x: torch.Tensor, max_value: float = E4M3FN_MAX) -> torch.Tensor:
+    """Scaled values -> float8_e4m3fn, clamped to +-max_value first: a cast alone turns
+    what lies beyond 448 into NaN. 448 is e4m3fn's maximum; a target that reads the
+    bytes another way passes its own (trn2 reads IEEE e4m3: at most 240)."""
+    if not 0 < max_value <= E4M3FN_MAX:
+        raise ValueError(f"max_value {max_value}: expected 0 < max_value <= {E4M3FN_MAX} (float8_e4m3fn's maximum)")
+    return x.float().clamp(-max_value, max_value).to(torch.float8_e4m3fn)

@@ -19,11 +19,18 @@ The runtime applies the transform once, at bind, and re-points the sources at
 views of the result, so memory is not doubled and eager code keeps reading the
 checkpoint's names. Transforms are a fixed set of named functions: a bundle
 names one, it never carries code.
+
+A weight that the checkpoint stores in low precision (aotc.quant: fp8 with
+block scales, packed fp4) enters the graphs as stored: two inputs, its values
+and its scales, which the graph dequantizes next to their use. The loader
+registers each such weight's `Stored` tensors here (`keep_stored`); eager code
+reads the dequantized parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -31,7 +38,8 @@ import torch
 from torch import nn
 
 from .errors import TraceError
-from .format import TransformName
+from .format import StoredFormat, StoredPart, TransformName
+from .quant import dequantize
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,46 @@ class GraphWeight:
     stride: tuple[int, ...]
     transform: str | None = None
     sources: tuple[str, ...] = ()  # paths inside the entry instance
+    stored: StoredFormat | None = None  # a low-precision weight: one of its two parts
+    part: StoredPart | None = None
+    logical_dtype: torch.dtype | None = None  # a stored weight's: what it dequantizes to
+
+    @property
+    def key(self) -> str:
+        """Unique among an entry's weights: a stored weight's parts share its name."""
+        return self.name if self.part is None else f"{self.name}:{self.part}"
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A parameter as the checkpoint stores it (aotc.quant)."""
+
+    format: StoredFormat
+    values: torch.Tensor  # float8_e4m3fn, or packed fp4 as uint8
+    scale: torch.Tensor  # float32, or E8M0 exponent bytes as uint8
+    fp8_reading: str = "e4m3fn"  # "e4m3" once rescaled for trn2 (aotc.fp8)
+
+    def part(self, part: str) -> torch.Tensor:
+        return self.values if part == "values" else self.scale
+
+
+# owner module -> {leaf name: Stored}. Weak: the stored tensors live as long as the model.
+_STORED: "weakref.WeakKeyDictionary[nn.Module, dict[str, Stored]]" = weakref.WeakKeyDictionary()
+
+
+def keep_stored(model: nn.Module, path: str, stored: Stored) -> None:
+    """Record the stored form of the tensor at `path` in `model`."""
+    owner, _, leaf = path.rpartition(".")
+    _STORED.setdefault(model.get_submodule(owner), {})[leaf] = stored
+
+
+def stored_of(module: nn.Module) -> dict[str, Stored]:
+    """The stored forms of the module's tensors, by path inside it."""
+    out = {}
+    for path, sub in module.named_modules():
+        prefix = f"{path}." if path else ""
+        out.update({prefix + leaf: s for leaf, s in _STORED.get(sub, {}).items()})
+    return out
 
 
 def weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -72,6 +120,7 @@ def graph_weights(module: nn.Module) -> list[GraphWeight]:
     """The weight inputs of an entry's graph, in order: the parameters and buffers that no
     derived weight consumes, then the derived weights."""
     tensors = weights_of(module)
+    stored = stored_of(module)
     derived = []
     consumed: set[str] = set()
     for path, sub in module.named_modules():
@@ -84,9 +133,28 @@ def graph_weights(module: nn.Module) -> list[GraphWeight]:
             if consumed & set(sources):
                 raise TraceError(f"{type(sub).__qualname__}.derived_weights(): {name!r} reads a tensor that another derived weight reads")
             consumed |= set(sources)
-            meta = derive_meta(d.transform, [tensors[s] for s in sources], f"{type(sub).__qualname__}.derived_weights()[{name!r}]")
-            derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources))
-    plain = [GraphWeight(n, tuple(t.shape), t.dtype, tuple(t.stride())) for n, t in tensors.items() if n not in consumed]
+            where = f"{type(sub).__qualname__}.derived_weights()[{name!r}]"
+            formats = {stored[s].format if s in stored else None for s in sources}
+            if len(formats) > 1:
+                raise TraceError(f"{where}: its sources are stored in different formats ({', '.join(sorted(map(str, formats)))}); a derived weight needs them alike")
+            fmt = formats.pop()
+            if fmt is None:
+                meta = derive_meta(d.transform, [tensors[s] for s in sources], where)
+                derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources))
+                continue
+            for part in ("values", "scale"):
+                meta = derive_meta(d.transform, [stored[s].part(part) for s in sources], where)
+                derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources, fmt, part, tensors[sources[0]].dtype))
+    plain = []
+    for n, t in tensors.items():
+        if n in consumed:
+            continue
+        if n not in stored:
+            plain.append(GraphWeight(n, tuple(t.shape), t.dtype, tuple(t.stride())))
+            continue
+        for part in ("values", "scale"):
+            p = stored[n].part(part)
+            plain.append(GraphWeight(n, tuple(p.shape), p.dtype, tuple(p.stride()), stored=stored[n].format, part=part, logical_dtype=t.dtype))
     return plain + derived
 
 
@@ -94,11 +162,28 @@ def weight_values(module: nn.Module) -> list[torch.Tensor]:
     """The graph's weight inputs for this instance, in order; derived ones are computed
     (a copy: unlike a bind, the sources stay where they are)."""
     tensors = weights_of(module)
+    stored = stored_of(module)
+
+    def read(path: str, part: str | None) -> torch.Tensor:
+        return (tensors[path] if part is None else stored[path].part(part)).detach()
+
     with torch.no_grad():
         return [
-            tensors[w.name].detach() if w.transform is None else TRANSFORMS[w.transform].apply([tensors[s].detach() for s in w.sources])
+            read(w.name, w.part) if w.transform is None else TRANSFORMS[w.transform].apply([read(s, w.part) for s in w.sources])
             for w in graph_weights(module)
         ]
+
+
+def dequantized(weights: list[GraphWeight], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """By weight name, the tensor the module's code reads: a stored weight dequantized
+    from its two parts (in a graph: next to its use), any other as it is."""
+    out = {}
+    for w in weights:
+        if w.part is None:
+            out[w.name] = values[w.key]
+        elif w.part == "values":
+            out[w.name] = dequantize(w.stored, values[w.key], values[f"{w.name}:scale"], w.logical_dtype)
+    return out
 
 
 def derive_meta(transform: str, sources: list[torch.Tensor], where: str) -> torch.Tensor:
@@ -131,14 +216,14 @@ def derived(module: nn.Module) -> dict[str, torch.Tensor] | None:
 
 @contextlib.contextmanager
 def providing(module: nn.Module, weights: list[GraphWeight], values: dict[str, torch.Tensor]):
-    """Make `derived()` answer with `values` (by graph weight name) inside `module`, and
-    yield the sources' views, to be swapped in for the sources themselves."""
+    """Make `derived()` answer with `values` (by weight name, as `dequantized` gives them)
+    inside `module`, and yield the sources' views, to be swapped in for the sources."""
     active: dict[int, dict[str, torch.Tensor]] = {}
     views: dict[str, torch.Tensor] = {}
     for path, sub in module.named_modules():
         prefix = f"{path}." if path else ""
         for name in _declared(sub):
-            w = next(w for w in weights if w.name == prefix + name)
+            w = next(w for w in weights if w.name == prefix + name and w.part != "scale")
             active.setdefault(id(sub), {})[name] = values[w.name]
             views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.name])))
     before = dict(_ACTIVE)

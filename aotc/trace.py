@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
-from .layout import GraphWeight, graph_weights, providing, weights_of
+from .layout import GraphWeight, dequantized, graph_weights, providing, stored_of, weights_of
 from .models.base import fake_tensor_mode
 from .passes import PassReport, needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
@@ -124,7 +124,7 @@ def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
 
 
 def _weight_signature(module: nn.Module) -> tuple:
-    return tuple((w.name, w.shape, str(w.dtype), w.transform) for w in graph_weights(module))
+    return tuple((w.key, w.shape, str(w.dtype), w.transform) for w in graph_weights(module))
 
 
 @contextlib.contextmanager
@@ -195,23 +195,26 @@ def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tup
     """The graph's weight inputs and a fake tensor for each."""
     weights = graph_weights(module)
     tensors = weights_of(module)
+    stored = stored_of(module)
     device = next((t.device for t in tensors.values()), torch.device("cpu"))
     values = {}
     for w in weights:
         if w.transform is None:
-            t = tensors[w.name]
-            values[w.name] = t if already else mode.from_tensor(t)
+            t = tensors[w.name] if w.part is None else stored[w.name].part(w.part)
+            values[w.key] = t if already else mode.from_tensor(t)
         else:
             with mode:
-                values[w.name] = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
+                values[w.key] = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
     return weights, values
 
 
 def _call(module: nn.Module, method: str, weights: list[GraphWeight], values: dict[str, torch.Tensor], args):
-    """Run the method with its weights swapped for `values`. Sources of derived weights
-    read as views of the derived input, so the graph has that one input for them."""
-    with providing(module, weights, values) as views:
-        swapped = {f"inner.{w.name}": values[w.name] for w in weights if w.transform is None}
+    """Run the method with its weights swapped for `values` (by GraphWeight.key). Sources
+    of derived weights read as views of the derived input, so the graph has that one
+    input for them; stored weights are dequantized from their parts in the graph."""
+    tensors = dequantized(weights, values)
+    with providing(module, weights, tensors) as views:
+        swapped = {f"inner.{w.name}": tensors[w.name] for w in weights if w.transform is None}
         swapped |= {f"inner.{k}": v for k, v in views.items()}
         return torch.func.functional_call(_Method(module, method), swapped, args, tie_weights=False, strict=True)
 
@@ -358,7 +361,7 @@ def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight]) ->
         # module is deliberately not a registered submodule: its weights
         # must enter the graph as the inputs below, not as lifted parameters.
         def forward(self, *flat):
-            return _call(module, method, weights, {w.name: v for w, v in zip(weights, flat[:n])}, flat[n:])
+            return _call(module, method, weights, {w.key: v for w, v in zip(weights, flat[:n])}, flat[n:])
 
     return Flat()
 

@@ -13,6 +13,12 @@ Sections (each a table, all in one JSON file):
              versus this machine's copy bandwidth measured in the same run
   memory     peak RSS of a weight-free build of a 32-layer hidden-1024 model
              versus loading its weights
+  lowp       batch-1 decode of the ~100M model with fp8 weights (stored as the
+             checkpoint has them, decoded in the graph) against the same model
+             in fp32 and in bf16, aotc inductor: ms per step and GB/s of the
+             bytes stored; resident memory of `aotc run` after load against the
+             checkpoint and against dequantizing at load; eager fp8 against
+             eager fp32 (max logit difference, greedy agreement over 200 tokens)
   v4         DeepSeek V4 of ~100M parameters: decode at batch 1 and 4, prefill
              of a 715-token prompt in chunks of 128, aotc inductor versus eager
              and torch.compile of the eager model; batch-1 decode's bytes of
@@ -383,6 +389,109 @@ def bench_v4(root: Path, results: dict, quick: bool) -> None:
     )
 
 
+# -- low precision ---------------------------------------------------------------
+
+LOWP_TOKENS = 200
+# `aotc run`'s loading, in a fresh process: bundle, model as bind needs it, bind, a step; then RSS.
+_LOAD_RSS = r"""
+import sys, torch
+from aotc.models.base import load_model
+from aotc.runtime import Bundle
+bundle, model_dir, stored = sys.argv[1], sys.argv[2], sys.argv[3]
+if bundle != "floor":
+    if bundle == "-":  # eager, low-precision weights dequantized at load
+        model = load_model(model_dir).model
+    else:
+        b = Bundle.load(bundle)
+        model = load_model(model_dir, stored=b.stored_params() if stored == "yes" else False).model
+        b.bind(model)
+    # One decode step: safetensors maps the file, and its pages count once read.
+    model.decode(torch.tensor([5]), torch.tensor([0]), model.allocate_caches(2, 256))
+rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+print(rss * 1024)
+"""
+
+
+def resident_after_load(*args: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _LOAD_RSS, *args], check=True, capture_output=True, text=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def bound_bytes(bundle: Bundle, model) -> int:
+    """The bytes of the weights the compiled entries read, each tensor once."""
+    from aotc.runtime.bundle import bound_weights
+
+    seen = {}
+    for tensors in bound_weights(bundle.manifest, model, bundle.dir).values():
+        for t in tensors:
+            seen[(t.data_ptr(), t.nbytes)] = t.nbytes
+    return sum(seen.values())
+
+
+def bench_lowp(root: Path, results: dict, quick: bool) -> None:
+    shape = {} if quick else dict(layers=8, **M100)
+    name = "tiny" if quick else "100m"
+    dirs = {
+        "fp32": write_tiny(root / f"lowp-{name}-fp32", **shape),
+        "bf16": write_tiny(root / f"lowp-{name}-bf16", torch_dtype="bfloat16", **shape),
+        "fp8": write_tiny(root / f"lowp-{name}-fp8", quantize="fp8", **shape),  # the fp32 model's weights, quantized
+    }
+    ids = torch.randint(3, 500, (1,), generator=torch.Generator().manual_seed(1))
+    positions = torch.full((1,), POSITION)
+    rows, bundles = [], {}
+    for kind, model_dir in dirs.items():
+        bundles[kind] = bundle = Bundle.load(bundle_for(model_dir, root, "inductor", batch_buckets=(1,), chunk_buckets=(128,)))
+        model = load_model(model_dir, stored=bundle.stored_params()).model
+        bundle.bind(model)
+        caches = model.allocate_caches(bundle.cache_slots, MAX_SEQ)
+        seconds = timeit(lambda: model.decode(ids, positions, caches), min_time=0.3 if quick else 2.0)
+        stored = bound_bytes(bundle, model)
+        rows.append({"weights": kind, "step ms": seconds * 1e3, "stored MB read": stored / 1e6, "GB/s": stored / seconds / 1e9})
+    for r in rows:
+        r["fp32 ms / this"] = rows[0]["step ms"] / r["step ms"]
+    results["lowp"] = {"model": name, "batch": 1, "position": POSITION, "target_fp32_over_fp8": 2.0, "rows": rows}
+    table(f"batch-1 decode by weight format, {name} model, aotc inductor (target: fp8 at least 2x faster than fp32)", rows)
+
+    checkpoint = (dirs["fp8"] / "model.safetensors").stat().st_size
+    memory = [
+        {"what": "checkpoint file (fp8)", "MB": checkpoint / 1e6},
+        {"what": "aotc run, fp8 kept as stored", "MB": resident_after_load(str(bundles["fp8"].dir), str(dirs["fp8"]), "yes") / 1e6},
+        {"what": "eager, fp8 dequantized at load", "MB": resident_after_load("-", str(dirs["fp8"]), "no") / 1e6},
+        {"what": "aotc run, fp32 model", "MB": resident_after_load(str(bundles["fp32"].dir), str(dirs["fp32"]), "no") / 1e6},
+        {"what": "floor: python, torch, aotc imported", "MB": resident_after_load("floor", "-", "no") / 1e6},
+    ]
+    for m in memory:
+        m["of checkpoint"] = m["MB"] * 1e6 / checkpoint
+    results["lowp"]["resident_after_load"] = memory
+    table("resident memory after load (RSS)", memory)
+
+    # Eager fp8 (dequantized at load) against eager fp32, the weights it was quantized from.
+    fp32, fp8 = load_model(dirs["fp32"]).model, load_model(dirs["fp8"]).model
+    prompt = [1, *range(5, 21)]
+    runs = {}
+    for label, m in (("fp32", fp32), ("fp8", fp8)):
+        caches = m.allocate_caches(2, m.round_max_seq(len(prompt) + LOWP_TOKENS))
+        logits = m.prefill(torch.tensor(prompt), 0, caches)
+        out = []
+        for i in range(LOWP_TOKENS):
+            out.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
+            logits = m.decode(torch.tensor([out[-1]]), torch.tensor([len(prompt) + i]), caches)
+        runs[label] = out
+    first_diff = next((i for i, (a, b) in enumerate(zip(runs["fp32"], runs["fp8"])) if a != b), LOWP_TOKENS)
+    # Teacher-forced on fp32's sequence: each position's logits and argmax, both models.
+    seq = torch.tensor(prompt + runs["fp32"])
+    a, b = fp32.prompt_logits(seq)[len(prompt) - 1 : -1], fp8.prompt_logits(seq)[len(prompt) - 1 : -1]
+    fidelity = {
+        "tokens": LOWP_TOKENS,
+        "max_logit_diff": (a - b).abs().max().item(),
+        "logit_range": (a.max() - a.min()).item(),
+        "greedy_equal_before_first_difference": first_diff,
+        "teacher_forced_top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+    }
+    results["lowp"]["eager_fp8_vs_fp32"] = fidelity
+    table(f"eager fp8 against eager fp32, {LOWP_TOKENS} greedy tokens", [fidelity])
+
+
 # -- output ----------------------------------------------------------------------
 
 
@@ -405,7 +514,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,v4")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     args = ap.parse_args()
     sections = args.sections.split(",")
@@ -429,6 +538,8 @@ def main() -> None:
             bench_bandwidth(models, results)
         if "memory" in sections and not args.quick:
             bench_memory(root, results)
+        if "lowp" in sections:
+            bench_lowp(root, results, args.quick)
         if "v4" in sections:
             bench_v4(root, results, args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aotc.fp8 import HALVE_EXACT, HALVE_LUT, decode_e4m3, decode_e4m3fn, quantize, rescale_scales, rescale_weights
+from aotc.fp8 import HALVE_EXACT, HALVE_LUT, decode_e4m3, decode_e4m3fn, quantize_fp8, rescale_scales, rescale_weights
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent reference for fp8 encodings (test extra)")
 
@@ -60,18 +60,17 @@ def test_ue8m0_scales_get_exponent_plus_one():
         rescale_scales(torch.tensor([254], dtype=torch.uint8), ue8m0=True)
 
 
-@pytest.mark.parametrize("max_value", [224.0, 128.0])
-def test_quantize_to_a_configurable_maximum(max_value):
+@pytest.mark.parametrize("max_value", [448.0, 224.0, 128.0])
+def test_quantize_clamps_to_a_configurable_maximum(max_value):
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 7
-    q, scale = quantize(x, max_value)
-    # The scale maps the largest |x| onto max_value: computed here, not taken from quantize.
-    expected_scale = x.abs().max() / max_value
-    torch.testing.assert_close(scale, expected_scale, rtol=1e-6, atol=0)
-    assert q.dtype == torch.float8_e4m3fn and q.float().abs().max() == max_value  # the largest value lands on it
+    scale = x.abs().max() / max_value
+    q = quantize_fp8(x / scale * 1.5, max_value)  # half again beyond the maximum: clamped, not NaN
+    assert q.dtype == torch.float8_e4m3fn and q.float().abs().max() == max_value and not q.float().isnan().any()
+    q = quantize_fp8(x / scale, max_value)
     # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 for normals, absolute 2^-9 * scale below them.
-    torch.testing.assert_close(q.float() * expected_scale, x, rtol=2**-4, atol=float(expected_scale) * 2**-9)
-    # Below 240, e4m3fn and trn2's e4m3 read the same bytes as the same values.
-    bytes_ = q.view(torch.uint8).numpy()
-    np.testing.assert_array_equal(bytes_.view(ml_dtypes.float8_e4m3fn).astype(np.float32), bytes_.view(ml_dtypes.float8_e4m3).astype(np.float32))
-    with pytest.raises(ValueError, match="expected 0 < max_value <= 240"):
-        quantize(x, 448.0)
+    torch.testing.assert_close(q.float() * scale, x, rtol=2**-4, atol=float(scale) * 2**-9)
+    if max_value <= 240:  # below 240, e4m3fn and trn2's e4m3 read the same bytes as the same values
+        bytes_ = q.view(torch.uint8).numpy()
+        np.testing.assert_array_equal(bytes_.view(ml_dtypes.float8_e4m3fn).astype(np.float32), bytes_.view(ml_dtypes.float8_e4m3).astype(np.float32))
+    with pytest.raises(ValueError, match="expected 0 < max_value <= 448"):
+        quantize_fp8(x, 500.0)

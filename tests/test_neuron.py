@@ -21,6 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 import aotc
+from aotc import fp8
 from aotc.backends import neuron
 from aotc.backends.neuron import FP8_FLAG, NeuronBackend, NeuronOptions, compiler_command, has_fp8
 from aotc.build import BuildOptions, build, resume
@@ -69,7 +70,7 @@ def test_command_line_from_typed_options():
 
 @pytest.mark.parametrize(
     "flags, message",
-    [({"target": "trn9"}, "target='trn9'"), ({"auto_cast": "some"}, "auto_cast='some'"), ({"fp8_max": 300}, "fp8_max=300"), ({"speed": 1}, "neuron backend's flags are")],
+    [({"target": "trn9"}, "target='trn9'"), ({"auto_cast": "some"}, "auto_cast='some'"), ({"speed": 1}, "neuron backend's flags are")],
 )
 def test_bad_options_are_errors_naming_the_flag(flags, message):
     with pytest.raises(BackendError, match=re.escape(message)):
@@ -179,6 +180,58 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     if importlib.util.find_spec("nrtpy") is None:
         with pytest.raises(BackendError, match="running NEFFs needs the Neuron runtime's Python API"):
             Bundle.load(out)
+
+
+@lowers
+def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypatch):
+    """A trn2 bundle of an fp8 checkpoint: the fp8 flag goes to exactly the graphs with
+    fp8 inputs, and bind rewrites each fp8 weight once, on the host, so that trn2's
+    IEEE e4m3 reading of the bytes with the doubled scales gives the checkpoint's values."""
+    import ml_dtypes
+    import numpy as np
+
+    from aotc import quant
+    from aotc.layout import stored_of
+    from aotc.models.base import load_model
+    from aotc.models.tiny import write_tiny
+    from aotc.runtime.bundle import bound_weights
+
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
+    model_dir = write_tiny(tmp_path / "m", layers=2, quantize="fp8", layout="deepseek")  # E8M0 scales
+    result = build(BuildOptions(model_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, **OPTIONS))
+    for e, a in result.manifest.artifacts():
+        command = (result.out / a.dir / "command.txt").read_text()
+        fp8_inputs = any(w.dtype == "float8_e4m3fn" for w in e.weights)
+        assert (FP8_FLAG in command) == fp8_inputs == a.extra.fp8 == e.id.startswith("LlamaDecoderLayer"), e.id
+    decode = next(e for e in result.manifest.entries if e.id == "LlamaDecoderLayer.decode")
+    assert {w.stored.fp8_reading for w in decode.weights if w.stored} == {"e4m3"}
+
+    reference = load_model(model_dir, stored=True).model
+    model = load_model(model_dir, stored=True).model
+    weights = bound_weights(result.manifest, model, result.out)
+    again = bound_weights(result.manifest, model, result.out)  # a second bind must not rescale again
+    checked = 0
+    for path in decode.instances:
+        original = stored_of(reference.get_submodule(path))
+        for spec, t, t2 in zip(decode.weights, weights[decode.id, path], again[decode.id, path]):
+            assert torch.equal(t.view(torch.uint8), t2.view(torch.uint8))
+            if spec.stored is None or spec.stored.part != "values":
+                continue
+            before = original[spec.path]
+            scale = next(w for w, s in zip(weights[decode.id, path], decode.weights) if s.path == spec.path and s.stored.part == "scale")
+            assert torch.equal(scale, before.scale + 1)  # E8M0: the exponent byte + 1, a doubled scale
+            as_e4m3 = torch.from_numpy(t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3).astype(np.float32))
+            assert as_e4m3.abs().max() <= 224 < 240  # e4m3fn's 448, halved: within trn2's range
+            trn2 = quant.dequantize("fp8", as_e4m3.to(torch.float8_e4m3fn), scale, torch.float32)  # e4m3 values, doubled scales
+            want = quant.dequantize("fp8", before.values, before.scale, torch.float32)
+            rows, cols = want.shape
+            step = quant._expand(quant.scale_factors(before.scale), rows, cols, quant.FP8_BLOCK)
+            inexact = torch.from_numpy(~fp8.HALVE_EXACT[before.values.view(torch.uint8).numpy()])
+            torch.testing.assert_close(trn2[~inexact], want[~inexact], rtol=0, atol=0)
+            # The 16 subnormal bytes: v/2 rounded by at most 2**-10, times the doubled scale
+            assert ((trn2 - want).abs()[inexact] <= 2**-10 * (2 * step[inexact])).all() and inexact.any()
+            checked += 1
+    assert checked == 14  # 7 fp8 weights in each of 2 layers
 
 
 @pytest.mark.neuron

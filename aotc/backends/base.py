@@ -71,6 +71,11 @@ class Backend(abc.ABC):
         """Which backend-specific passes run on its graphs (aotc.passes.BACKEND_PASSES)."""
         return None
 
+    def fp8_reading(self) -> str:
+        """How the target reads float8_e4m3fn bytes: "e4m3fn", or "e4m3" where it reads
+        them as IEEE e4m3 (trn2), so that bind rescales fp8 weights (aotc.fp8)."""
+        return "e4m3fn"
+
     def incompatible(self, manifest: "Manifest") -> str | None:
         """Why artifacts built as the manifest says cannot run here, or None."""
         built = manifest.backend.version

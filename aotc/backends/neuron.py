@@ -50,7 +50,6 @@ class NeuronOptions:
     lnc: int | None = None  # logical NeuronCores per graph; the compiler's default when None
     auto_cast: str = "none"
     auto_cast_type: str | None = None
-    fp8_max: float = 224.0  # activations and caches quantize to this (trn2's e4m3 max is 240)
 
     def __post_init__(self):
         checks = [
@@ -65,8 +64,6 @@ class NeuronOptions:
         for name, value, allowed in checks:
             if value not in allowed:
                 raise BackendError(f"--compiler-flag {name}={value!r}: expected one of {', '.join(map(str, allowed))}")
-        if not 0 < self.fp8_max <= 240:
-            raise BackendError(f"--compiler-flag fp8_max={self.fp8_max}: expected 0 < fp8_max <= 240 (trn2's e4m3 maximum)")
 
 
 def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> list[str]:
@@ -88,8 +85,9 @@ def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> 
 
 
 def has_fp8(graph: "TracedGraph") -> bool:
+    """The graph takes fp8 inputs (stored weights, caches): the compiler needs the flag."""
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
-    return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in graph.graph_module.graph.nodes)
+    return any(n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in graph.graph_module.graph.nodes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,6 +156,9 @@ class NeuronBackend(Backend):
 
     def pass_target(self) -> str | None:
         return "neuron"
+
+    def fp8_reading(self) -> str:
+        return "e4m3" if self.options.target == "trn2" else "e4m3fn"
 
     def incompatible(self, manifest) -> str | None:
         # A NEFF needs the Neuron runtime, not the compiler that made it: run hosts

@@ -91,6 +91,7 @@ def import_torchax():
         import torchax.export
         import torchax.ops.jaten  # noqa: F401  (registers the aten -> JAX lowerings)
     _fix_nonzero_static()
+    _fix_view_dtype()
     return torchax
 
 
@@ -111,6 +112,23 @@ def _fix_nonzero_static() -> None:
         entry = ops_registry.all_aten_ops.get(op)
         if entry is not None and entry.func is not nonzero_static:
             ops_registry.all_aten_ops[op] = dataclasses.replace(entry, func=nonzero_static)
+
+
+def _fix_view_dtype() -> None:
+    """torchax 0.0.13 registers one lowering for every aten.view overload, a reshape,
+    so view.dtype (a bitcast: how aotc.quant turns E8M0 scale bytes into floats,
+    exactly) fails on the dtype as a shape. The overload gets its own entry, a
+    bitcast. Remove when torchax lowers view.dtype."""
+    import dataclasses
+
+    import jax
+    from torchax.ops import mappings, ops_registry
+
+    def view_dtype(x, dtype):
+        return jax.lax.bitcast_convert_type(x, mappings.t2j_dtype(dtype))
+
+    entry = ops_registry.all_aten_ops[torch.ops.aten.view]
+    ops_registry.all_aten_ops[torch.ops.aten.view.dtype] = dataclasses.replace(entry, func=view_dtype)
 
 
 # -- lowering ---------------------------------------------------------------------

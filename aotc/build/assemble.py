@@ -7,7 +7,7 @@ import platform
 import torch
 
 from .. import __version__
-from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, WeightSpec
+from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
 from ..passes import pipeline_identity
 from ..layout import graph_weights
 from ..trace import Variant, dtype_name
@@ -17,7 +17,7 @@ from .plan import Plan
 
 def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -> Manifest:
     options, backend, loaded, shapes = plan.options, plan.backend, plan.loaded, plan.shapes
-    entries = [_entry(v, [built[v.entry_id, b].record for b in options.buckets(v.spec.bucket)]) for v in plan.variants]
+    entries = [_entry(v, [built[v.entry_id, b].record for b in options.buckets(v.spec.bucket)], backend.fp8_reading()) for v in plan.variants]
     return Manifest(
         format_version=FORMAT_VERSION,
         aotc_version=__version__,
@@ -36,7 +36,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
     )
 
 
-def _entry(variant: Variant, records) -> EntryRecord:
+def _entry(variant: Variant, records, fp8_reading: str) -> EntryRecord:
     return EntryRecord(
         id=variant.entry_id,
         cls=variant.cls.__qualname__,
@@ -46,7 +46,10 @@ def _entry(variant: Variant, records) -> EntryRecord:
         variant=variant.attributes,
         instances=[path for path, _ in variant.instances],
         weights=[
-            WeightSpec(w.name, list(w.shape), dtype_name(w.dtype), list(w.stride), w.transform, list(w.sources))
+            WeightSpec(
+                w.name, list(w.shape), dtype_name(w.dtype), list(w.stride), w.transform, list(w.sources),
+                StoredSpec(w.stored, w.part, dtype_name(w.logical_dtype), fp8_reading if w.stored == "fp8" else "e4m3fn") if w.stored else None,
+            )
             for w in graph_weights(variant.module)
         ],
         artifacts=records,

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Container
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from .. import quant
 from ..errors import ConfigError, WeightsError
-from .checkpoint import Checkpoint, dequantize
+from ..layout import Stored, keep_stored
+from .checkpoint import Checkpoint, stored_form, stored_tensors
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
 
@@ -119,11 +122,19 @@ def parse_config(model_dir: Path) -> tuple[dict, Architecture, object]:
     return config_dict, arch, config
 
 
-def load_model(model_dir: Path | str, *, weights: bool = True) -> LoadedModel:
+def load_model(model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False) -> LoadedModel:
     """Build the eager model of a model folder.
 
     weights=False traces-only: parameters are fake tensors and the checkpoint
-    is checked against them from its headers, without reading any value.
+    is checked against them from its headers, without reading any value; the
+    low-precision weights' stored forms are fake tensors too (aotc.layout).
+
+    Low-precision weights (aotc.quant) are dequantized to the model's dtype:
+    eager runs them so, the reference. `stored` keeps their checkpoint form as
+    well, for compiled graphs: True for all (beside the dequantized ones); a
+    set of parameter paths for those only, which are then not dequantized, so
+    memory holds the checkpoint's bytes (their parameters read as NaN, and only
+    compiled code must read them).
     """
     model_dir = Path(model_dir)
     config_dict, arch, config = parse_config(model_dir)
@@ -132,12 +143,29 @@ def load_model(model_dir: Path | str, *, weights: bool = True) -> LoadedModel:
         fake_mode = fake_tensor_mode()
         with fake_mode:
             model = arch.model_class(config)
-        _check_checkpoint(model, checkpoint)
+        forms = _check_checkpoint(model, checkpoint)
+        expected = checkpoint_tensors(model)
+        with fake_mode:
+            for param, form in forms.items():
+                values = checkpoint.info(form.values)
+                scale = checkpoint.info(form.scale)
+                keep_stored(model, param, Stored(
+                    form.format,
+                    torch.empty(quant.stored_shape(form.format, expected[param].shape), dtype=_stored_dtype(values.dtype)),
+                    torch.empty(scale.shape, dtype=_stored_dtype(scale.dtype)),
+                ))  # fmt: skip
         return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
     with torch.device("meta"), _SkipInit():
         model = arch.model_class(config)
-    _load_weights(model, checkpoint)
+    _load_weights(model, checkpoint, stored)
     return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
+
+
+def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a stored tensor has in graphs (checkpoint.stored_tensors)."""
+    if dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
+        return torch.uint8
+    return dtype if dtype == torch.float8_e4m3fn else torch.float32
 
 
 class _SkipInit(TorchFunctionMode):
@@ -174,20 +202,40 @@ def _names(model: CausalLM, checkpoint: Checkpoint, param: str) -> str:
     return next((c for c in candidates if c in checkpoint.tensors), candidates[0])
 
 
-def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> None:
+def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> dict:
+    """Check every tensor's shape from the headers; return the stored forms by parameter."""
+    forms = {}
     for name, p in checkpoint_tensors(model).items():
-        checkpoint.check(_names(model, checkpoint, name), tuple(p.shape))
+        ckpt_name = _names(model, checkpoint, name)
+        form = stored_form(checkpoint, ckpt_name, tuple(p.shape))
+        if form is None:
+            checkpoint.check(ckpt_name, tuple(p.shape))
+        else:
+            forms[name] = form
+    return forms
 
 
-def _load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
+def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Container[str]) -> None:
     expected = checkpoint_tensors(model)
     names = {param: _names(model, checkpoint, param) for param in expected}
-    for param, p in expected.items():
-        checkpoint.check(names[param], tuple(p.shape))
-    tensors = checkpoint.load(list(names.values()))
+    forms = _check_checkpoint(model, checkpoint)
+    tensors = checkpoint.load(list(names.values()) + [f.scale for f in forms.values()])
     state = {}
     for param, p in expected.items():
-        t = dequantize(checkpoint, names[param], tensors[names[param]], p.dtype)
+        form = forms.get(param)
+        if form is not None:
+            values, scale = stored_tensors(form, tensors[form.values], tensors[form.scale])
+            keep = stored if isinstance(stored, bool) else param in stored
+            if keep:
+                keep_stored(model, param, Stored(form.format, values, scale))
+            if keep and not isinstance(stored, bool):
+                # Compiled code reads the stored form; eager must not read this. NaN says so
+                # loudly if it does, at the cost of one element.
+                state[param] = torch.full((), float("nan"), dtype=p.dtype).expand(p.shape)
+            else:
+                state[param] = quant.dequantize(form.format, values, scale, p.dtype)
+            continue
+        t = tensors[names[param]]
         if t.dtype.is_floating_point != p.dtype.is_floating_point:
             raise WeightsError(f"{checkpoint.dir}: tensor {names[param]!r} has dtype {t.dtype}, expected a {p.dtype}-compatible dtype")
         state[param] = t.to(p.dtype)

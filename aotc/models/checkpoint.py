@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .. import quant
 from ..errors import WeightsError
 
 INDEX = "model.safetensors.index.json"
@@ -17,7 +18,8 @@ SINGLE = "model.safetensors"
 # safetensors dtype codes -> torch dtypes
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
@@ -103,31 +105,65 @@ class Checkpoint:
         return out
 
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-BLOCK = 128  # DeepSeek-style fp8 checkpoints scale each 128 x 128 block of a weight
+@dataclass(frozen=True)
+class StoredInfo:
+    """A weight the checkpoint stores in low precision (aotc.quant)."""
+
+    format: str  # "fp8" | "fp4"
+    values: str  # checkpoint tensor names
+    scale: str
 
 
-def dequantize(checkpoint: Checkpoint, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weights with per-block `<name>_scale_inv` -> `dtype`; other tensors pass through.
+def scale_names(name: str) -> list[str]:
+    """Where a weight's block scales may be: the Hugging Face `<name>_scale_inv`, or
+    DeepSeek's own `<module>.scale` beside `<module>.weight`."""
+    names = [f"{name}_scale_inv"]
+    if name.endswith(".weight"):
+        names.append(name.removesuffix("weight") + "scale")
+    return names
 
-    Scales are float32, or ue8m0 exponents (a power of two, `scale_fmt: ue8m0`)
-    stored as float8_e8m0fnu or uint8.
-    """
-    if tensor.dtype not in FP8:
-        return tensor
-    scale_name = f"{name}_scale_inv"
-    if scale_name not in checkpoint.tensors:
-        raise WeightsError(f"{checkpoint.info(name).file}: fp8 tensor {name!r} has no {scale_name!r}; fp8 weights need their block scales")
-    scale = checkpoint.load([scale_name])[scale_name]
-    if scale.dtype == torch.uint8:  # a bare ue8m0 exponent
-        scale = torch.exp2(scale.float() - 127)
-    scale = scale.float()
-    rows, cols = tensor.shape[-2], tensor.shape[-1]
-    blocks = (-(-rows // BLOCK), -(-cols // BLOCK))
-    if tuple(scale.shape[-2:]) != blocks:
+
+def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> StoredInfo | None:
+    """How the checkpoint stores the weight `name` of `shape` (the model's): None when
+    as a plain tensor; else fp8 values with block scales, or packed fp4 with scales
+    per 32. The values' and the scales' shapes are checked against `shape`."""
+    info = checkpoint.info(name)
+    scale = next((s for s in scale_names(name) if s in checkpoint.tensors), None)
+    packed_shape = quant.stored_shape("fp4", shape)
+    if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if info.dtype == torch.float8_e5m2:
+            raise WeightsError(f"{info.file}: {name!r} is float8_e5m2; aotc reads fp8 weights as float8_e4m3fn (F8_E4M3) with block scales")
+        fmt = "fp8"
+    elif scale is not None and info.dtype == torch.float4_e2m1fn_x2 and info.shape == tuple(shape):
+        fmt = "fp4"  # safetensors' F4 header gives the unpacked shape
+    elif scale is not None and info.dtype in (torch.uint8, torch.int8) and info.shape == packed_shape and len(shape) >= 2:
+        fmt = "fp4"
+    else:
+        return None
+    if scale is None:
+        raise WeightsError(f"{info.file}: {fmt} tensor {name!r} has no {' or '.join(map(repr, scale_names(name)))}; low-precision weights need their block scales")
+    if fmt == "fp8":
+        checkpoint.check(name, shape)
+    expected = quant.scale_shape(fmt, shape)
+    scale_info = checkpoint.info(scale)
+    if scale_info.shape != expected:
+        block = "x".join(map(str, quant.BLOCKS[fmt]))
         raise WeightsError(
-            f"{checkpoint.info(scale_name).file}: {scale_name!r} has shape {list(scale.shape)}, expected {list(blocks)} "
-            f"(one scale per {BLOCK}x{BLOCK} block of {list(tensor.shape)})"
+            f"{scale_info.file}: {scale!r} has shape {list(scale_info.shape)}, expected {list(expected)} "
+            f"(one scale per {block} block of {list(shape)})"
         )
-    full = scale.repeat_interleave(BLOCK, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)[..., :cols]
-    return (tensor.float() * full).to(dtype)
+    if scale_info.dtype not in (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8):
+        raise WeightsError(f"{scale_info.file}: {scale!r} is {scale_info.dtype}; block scales are F32, BF16 or E8M0 (F8_E8M0 or U8 exponents)")
+    return StoredInfo(fmt, name, scale)
+
+
+def stored_tensors(stored: StoredInfo, values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loaded tensors as graphs take them: packed fp4 and E8M0 exponents as uint8
+    (the same bytes), fp8 as float8_e4m3fn, other scales as float32."""
+    if values.dtype in (torch.int8, torch.float4_e2m1fn_x2):
+        values = values.view(torch.uint8)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    elif scale.dtype != torch.uint8:
+        scale = scale.float()
+    return values, scale

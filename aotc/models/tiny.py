@@ -15,9 +15,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .. import quant
+from ..quant import FP8_BLOCK
 from .base import checkpoint_names, checkpoint_tensors, parse_config
+from .checkpoint import scale_names
 from .corpus import CORPUS
 from ..errors import ConfigError
 from .registry import get_architecture
@@ -45,9 +49,17 @@ def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:
     return tok
 
 
-def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, force: bool = False, **overrides) -> Path:
+QUANTIZE = ("none", "fp8", "fp4-experts")
+LAYOUTS = ("hf", "deepseek")
+
+
+def write_tiny(
+    out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, force: bool = False,
+    quantize: str = "none", layout: str = "hf", **overrides,
+) -> Path:  # fmt: skip
     """Write a random model folder; `overrides` change config.json fields (e.g. hidden_size).
-    A folder that is not empty is replaced only with force=True."""
+    A folder that is not empty is replaced only with force=True. `quantize` and `layout`:
+    see write_model."""
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty folder; aotc init tiny writes a new model folder. Choose another path, or pass --force to replace it")
@@ -55,11 +67,22 @@ def write_tiny(out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAY
     tokenizer = make_tokenizer()
     config = architecture.model_class.tiny_config(layers=layers, vocab_size=tokenizer.get_vocab_size(), variant=arch)
     config.update(overrides)
-    return write_model(out, config, tokenizer, seed=seed)
+    return write_model(out, config, tokenizer, seed=seed, quantize=quantize, layout=layout)
 
 
-def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED) -> Path:
-    """Write config.json, tokenizer.json and random weights (HF names) into `out`, atomically."""
+def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED, quantize: str = "none", layout: str = "hf") -> Path:
+    """Write config.json, tokenizer.json and random weights into `out`, atomically.
+
+    quantize="fp8": the decoder layers' linear weights as float8_e4m3fn with a scale
+    per 128 x 128 block, as DeepSeek publishes them; "fp4-experts": the routed
+    experts' as packed fp4 with an E8M0 scale per 32 inputs, the rest fp8 (DeepSeek
+    V4). layout="hf": Hugging Face names, float32 `weight_scale_inv`; "deepseek":
+    DeepSeek's own names, E8M0 `.scale`.
+    """
+    if quantize not in QUANTIZE:
+        raise ConfigError(f"--quantize {quantize}: expected one of {', '.join(QUANTIZE)}")
+    if layout not in LAYOUTS:
+        raise ConfigError(f"--checkpoint-layout {layout}: expected one of {', '.join(LAYOUTS)}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -69,7 +92,15 @@ def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DE
         _, arch, parsed = parse_config(tmp)
         model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed))
-        tensors = {checkpoint_names(model, name)[0]: t.detach().contiguous() for name, t in checkpoint_tensors(model).items()}
+        tensors = _checkpoint(model, quantize, layout)
+        if quantize != "none":
+            config = dict(config, quantization_config={
+                "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
+                **({"scale_fmt": "ue8m0"} if layout == "deepseek" else {}),
+            })  # fmt: skip
+            if quantize == "fp4-experts":
+                config["expert_dtype"] = "fp4"
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if out.exists():
             shutil.rmtree(out)
@@ -77,4 +108,37 @@ def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DE
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def _checkpoint(model, quantize: str, layout: str) -> dict[str, torch.Tensor]:
+    formats = _quantized(model, quantize)
+    out = {}
+    for name, t in checkpoint_tensors(model).items():
+        names = checkpoint_names(model, name)
+        ckpt_name = names[0] if layout == "hf" else names[-1]
+        fmt = formats.get(name)
+        if fmt is None:
+            out[ckpt_name] = t.detach().contiguous()
+            continue
+        values, scale = quant.quantize(fmt, t.detach(), e8m0=layout == "deepseek" or fmt == "fp4")
+        if scale.dtype == torch.uint8:
+            scale = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0, as published
+        if fmt == "fp4" and layout == "deepseek":
+            values = values.view(torch.float4_e2m1fn_x2)  # safetensors' F4; the hf layout keeps U8 bytes
+        out[ckpt_name] = values
+        out[scale_names(ckpt_name)[0 if layout == "hf" else 1]] = scale
+    return out
+
+
+def _quantized(model, quantize: str) -> dict[str, str]:
+    """Parameter -> stored format: the weights of the decoder layers' linear layers."""
+    if quantize == "none":
+        return {}
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Linear) and ".layers." in f".{path}":
+            out[f"{path}.weight"] = "fp4" if quantize == "fp4-experts" and ".experts." in f"{path}." else "fp8"
+    if quantize == "fp4-experts" and "fp4" not in out.values():
+        raise ConfigError(f"--quantize fp4-experts: {type(model).__name__} has no routed experts (modules under .experts.); use --quantize fp8")
     return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from .base import GraphPass, PassResult
+from .decode_fp8_bits import DecodeFp8Bits
 from .reslice_cache_views import ResliceCacheViews
 from .rewrite_skinny_linears import RewriteSkinnyLinears
 from .strip_data_dependent import StripDataDependent
@@ -27,8 +28,9 @@ STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
 
 # Passes that only pay off on some backends run after the common pipeline.
 BACKEND_PASSES: dict[str, list[GraphPass]] = {
-    # CPU code is bound by weight reads in decode; accelerators want the matmul.
-    "inductor-cpu": [RewriteSkinnyLinears()],
+    # CPU code is bound by weight reads in decode; accelerators want the matmul, and
+    # convert fp8 themselves.
+    "inductor-cpu": [RewriteSkinnyLinears(), DecodeFp8Bits()],
 }
 
 

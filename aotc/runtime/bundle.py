@@ -19,7 +19,8 @@ from ..backends import Runner, get_backend
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
-from ..layout import TRANSFORMS
+from .. import fp8
+from ..layout import TRANSFORMS, Stored, keep_stored, stored_of
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
@@ -110,18 +111,24 @@ class Bundle:
                     f"{theirs[key]!r}; rebuild the bundle for this model (aotc build {loaded.dir})"
                 )
 
+    def stored_params(self) -> set[str]:
+        """The model parameters whose stored form (aotc.quant) the graphs take, by path:
+        load_model(stored=...) keeps these as the checkpoint has them."""
+        return {
+            f"{path}.{name}" if path else name
+            for entry in self.manifest.entries
+            for path in entry.instances
+            for w in entry.weights if w.stored is not None
+            for name in (w.sources or [w.path])
+        }  # fmt: skip
+
     def bind(self, model: nn.Module) -> None:
         """Replace each entry method of each instance with its compiled dispatcher."""
-        derived: dict = {}  # one derived tensor per instance, whichever entries read it
+        weights = bound_weights(self.manifest, model, self.dir)
         for entry in self.manifest.entries:
             runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
-                try:
-                    instance = model.get_submodule(path)
-                except AttributeError:
-                    raise BundleError(f"{self.dir}: entry {entry.id} is for module {path!r}, which the model does not have") from None
-                weights = [_weight(instance, path, w, self.dir, derived) for w in entry.weights]
-                setattr(instance, entry.method, Dispatcher(entry, runners, weights))
+                setattr(model.get_submodule(path), entry.method, Dispatcher(entry, runners, weights[entry.id, path]))
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
         unbound = [
             f"{path or type(m).__name__}.{method}"
@@ -159,14 +166,31 @@ def _check_signature(bundle: Path, entry, art, found) -> None:
         )
 
 
-def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, derived: dict) -> torch.Tensor:
-    if spec.transform is None:
-        t = _tensor(instance, path, spec.path, bundle)
+def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """The weight inputs of each (entry id, instance path), in the manifest's order, with
+    what bind does to them done: derived weights made, fp8 rescaled for the target."""
+    shared: dict = {}  # one derived or stored tensor per instance, whichever entries read it
+    out = {}
+    for entry in manifest.entries:
+        for path in entry.instances:
+            try:
+                instance = model.get_submodule(path)
+            except AttributeError:
+                raise BundleError(f"{bundle}: entry {entry.id} is for module {path!r}, which the model does not have") from None
+            out[entry.id, path] = [_weight(instance, path, w, bundle, shared) for w in entry.weights]
+    return out
+
+
+def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, shared: dict) -> torch.Tensor:
+    key = (path, spec.path, spec.stored.part if spec.stored else None)
+    if key in shared:
+        t = shared[key]
+    elif spec.stored is not None:
+        t = shared[key] = _stored_part(instance, path, spec, bundle)
+    elif spec.transform is not None:
+        t = shared[key] = _derive(instance, path, spec, bundle)
     else:
-        key = (path, spec.path)
-        if key not in derived:
-            derived[key] = _derive(instance, path, spec, bundle)
-        t = derived[key]
+        t = _tensor(instance, path, spec.path, bundle)
     if list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
         raise BundleError(
             f"weight {path}.{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
@@ -189,6 +213,38 @@ def _tensor(instance: nn.Module, path: str, name: str, bundle: Path) -> torch.Te
             return instance.get_buffer(name)
         except AttributeError:
             raise BundleError(f"{bundle}: {path}.{name} is a graph input but the model has no such parameter") from None
+
+
+def _stored(instance: nn.Module, path: str, name: str, spec: WeightSpec, bundle: Path) -> Stored:
+    """The stored form of `name`, rescaled for the target's fp8 reading once (the model
+    keeps the rescaled tensors in place of the checkpoint's: memory is not doubled)."""
+    stored = stored_of(instance).get(name)
+    if stored is None or stored.format != spec.stored.format:
+        raise BundleError(
+            f"{bundle}: {path}.{name} is a graph input stored as {spec.stored.format}, but the model has it "
+            f"{'as ' + stored.format if stored else 'dequantized'}; load the model with load_model(stored=...) "
+            "from the checkpoint the bundle was built from, or rebuild the bundle for this checkpoint"
+        )
+    dtype = str(_tensor(instance, path, name, bundle).dtype).removeprefix("torch.")
+    if dtype != spec.stored.dtype:
+        raise BundleError(f"{bundle}: {path}.{name} dequantizes to {spec.stored.dtype} in the graphs, but the model's is {dtype}; rebuild the bundle for this model")
+    if spec.stored.fp8_reading == "e4m3" and stored.format == "fp8" and stored.fp8_reading == "e4m3fn":
+        ue8m0 = stored.scale.dtype == torch.uint8
+        stored = Stored("fp8", fp8.rescale_weights(stored.values), fp8.rescale_scales(stored.scale, ue8m0), "e4m3")
+        keep_stored(instance, name, stored)
+    return stored
+
+
+def _stored_part(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:
+    if spec.transform is None:
+        return _stored(instance, path, spec.path, spec, bundle).part(spec.stored.part)
+    transform = TRANSFORMS[spec.transform]
+    sources = [_stored(instance, path, s, spec, bundle) for s in spec.sources]
+    part = spec.stored.part
+    out = transform.apply([s.part(part) for s in sources])
+    for name, source, view in zip(spec.sources, sources, transform.views(out)):
+        keep_stored(instance, name, dataclasses.replace(source, **{part: view}))
+    return out
 
 
 def _derive(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""Low-precision checkpoint weights (aotc.quant): fp8 with block scales and packed fp4
+stay as stored in the graphs, are dequantized there, and generate exactly what eager
+generates with the same weights dequantized at load."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from aotc import fp8, quant
+from aotc.build import BuildOptions, build
+from aotc.cli import app
+from aotc.errors import BundleError, WeightsError
+from aotc.layout import stored_of
+from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
+from aotc.passes.decode_fp8_bits import DecodeFp8Bits
+from aotc.runtime import Bundle, compare, generate, tolerance_for
+
+PROMPTS = ([1, 5, 9, 14, 3, 22, 7], [1, 40, 41, 42], [1, 100, 17, 18, 19, 20, 21, 22, 23])
+
+
+def all_fp8_bytes() -> torch.Tensor:
+    """Every e4m3fn byte but the two NaNs, as a [2, 127] weight."""
+    b = [x for x in range(256) if x & 0x7F != 0x7F]
+    return torch.tensor(b, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(2, 127)
+
+
+# -- the formats, against ml_dtypes (an independent implementation) ------------------
+
+
+@pytest.mark.parametrize("scale", [torch.tensor([[0.375]]), torch.tensor([[130]], dtype=torch.uint8)], ids=["float32", "e8m0"])
+def test_dequantize_fp8_every_byte(scale):
+    q = all_fp8_bytes()
+    factor = 0.375 if scale.dtype == torch.float32 else 2.0**3  # E8M0 130 is 2**(130 - 127)
+    expected = q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32) * factor
+    np.testing.assert_array_equal(quant.dequantize("fp8", q, scale, torch.float32).numpy(), expected)
+
+
+def test_dequantize_fp4_every_byte_low_nibble_first():
+    packed = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every pair of nibbles
+    scale = torch.full((8, 2), 126, dtype=torch.uint8)  # 2**-1
+    nibbles = np.stack([packed.numpy() & 15, packed.numpy() >> 4], axis=-1).reshape(8, 64)
+    expected = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * 0.5  # ml_dtypes reads the low 4 bits
+    np.testing.assert_array_equal(quant.dequantize("fp4", packed, scale, torch.float32).numpy(), expected)
+
+
+def test_quantizers_clamp_and_round_trip():
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(0))
+    w[3, 5] = 1e4  # an outlier: its block's scale grows, no value turns NaN
+    for e8m0 in (False, True):
+        q, s = quant.quantize_fp8_blocks(w, e8m0)
+        assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == (2, 1)
+        assert q.float().abs().max() <= fp8.E4M3FN_MAX and not q.float().isnan().any()
+        back = quant.dequantize("fp8", q, s, torch.float32)
+        assert (back - w).abs().max() <= 2**-4 * w.abs().max()  # 3 mantissa bits, relative to the block max
+    q, s = quant.quantize_fp4(w)
+    assert q.shape == (200, 48) and s.shape == (200, 3) and s.dtype == torch.uint8
+    back = quant.dequantize("fp4", q, s, torch.float32)
+    rows = w.abs().reshape(200, 3, 32).amax(-1).repeat_interleave(32, -1)
+    # The widest e2m1 step is 4 -> 6: an error of at most 1 scale, and a scale is under a third of the block's max.
+    assert ((back - w).abs() <= rows / 3 + 1e-6).all()
+    with pytest.raises(ValueError, match="expected 0 < max_value <= 448"):
+        fp8.quantize_fp8(w, max_value=500)
+    assert fp8.quantize_fp8(w * 1e3, max_value=224).float().abs().max() == 224  # the clamp holds
+
+
+def test_decode_fp8_bits_pass_equals_conversion():
+    q = all_fp8_bytes()
+    gm = torch.export.export(_ToFloat(), (q,)).graph_module
+    assert DecodeFp8Bits()(gm).changes == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.view.dtype in targets and not any(
+        n.target is torch.ops.aten.to.dtype and n.args[0].meta["val"].dtype == torch.float8_e4m3fn for n in gm.graph.nodes if n.op == "call_function"
+    )
+    gm.recompile()
+    (out,) = gm(q)
+    torch.testing.assert_close(out, q.float(), rtol=0, atol=0)  # subnormals included
+
+
+class _ToFloat(torch.nn.Module):
+    def forward(self, q):
+        return (q.to(torch.float32),)
+
+
+# -- checkpoints: aotc init --quantize, both layouts --------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lowp")
+    return {
+        "llama": write_tiny(root / "llama-fp8", layers=2, quantize="fp8"),
+        "v4": write_tiny(root / "v4-fp4", arch="deepseek_v4", layers=3, quantize="fp4-experts", layout="deepseek"),
+    }
+
+
+def headers(model_dir) -> dict[str, tuple[str, list[int]]]:
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_init_writes_both_layouts(models, tmp_path):
+    hf = headers(models["llama"])
+    assert hf["model.layers.0.mlp.up_proj.weight"] == ("F8_E4M3", [688, 256])
+    assert hf["model.layers.0.mlp.up_proj.weight_scale_inv"] == ("F32", [6, 2])
+    assert hf["model.embed_tokens.weight"][0] == "F32" and hf["lm_head.weight"][0] == "F32"  # kept as DeepSeek keeps them
+    ds = headers(models["v4"])
+    assert ds["layers.0.attn.wq_a.weight"][0] == "F8_E4M3" and ds["layers.0.attn.wq_a.scale"][0] == "F8_E8M0"
+    assert ds["layers.0.ffn.experts.1.w2.weight"] == ("F4", [128, 64]) and ds["layers.0.ffn.experts.1.w2.scale"] == ("F8_E8M0", [128, 2])
+    assert ds["layers.0.ffn.shared_experts.w2.weight"][0] == "F8_E4M3"
+    config = json.loads((models["v4"] / "config.json").read_text())
+    assert config["expert_dtype"] == "fp4" and config["quantization_config"]["scale_fmt"] == "ue8m0"
+    hf_v4 = write_tiny(tmp_path / "v4-hf", arch="deepseek_v4", layers=3, quantize="fp4-experts")
+    h = headers(hf_v4)
+    assert h["model.layers.0.ffn.experts.1.w2.weight"] == ("U8", [128, 32]) and "model.layers.0.ffn.experts.1.w2.weight_scale_inv" in h
+    # Both layouts load to the same weights: the fp4 experts are quantized alike in both.
+    a, b = load_model(models["v4"]).model, load_model(hf_v4).model
+    assert torch.equal(a.model.layers[0].ffn.experts[1].w2.weight, b.model.layers[0].ffn.experts[1].w2.weight)
+    result = CliRunner().invoke(app, ["init", "tiny", str(tmp_path / "x"), "--quantize", "fp4-experts"])
+    assert result.exit_code == 2 and "LlamaForCausalLM has no routed experts" in result.output
+
+
+def test_load_keeps_stored_forms(models):
+    both = load_model(models["llama"], stored=True).model
+    layer = both.model.layers[0]
+    stored = stored_of(layer)["mlp.up_proj.weight"]
+    assert stored.values.dtype == torch.float8_e4m3fn and stored.scale.dtype == torch.float32
+    assert torch.equal(layer.mlp.up_proj.weight, quant.dequantize("fp8", stored.values, stored.scale, torch.float32))
+    # Only the graphs read these: they are not dequantized (one NaN element, expanded).
+    only = load_model(models["llama"], stored={"model.layers.0.mlp.up_proj.weight"}).model
+    w = only.model.layers[0].mlp.up_proj.weight
+    assert w.untyped_storage().nbytes() == 4 and w.isnan().all()
+    assert not only.model.layers[1].mlp.up_proj.weight.isnan().any()  # not asked for: dequantized
+
+
+def test_checkpoint_errors(models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["llama"], bad)
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"fp8 tensor 'model.layers.0.mlp.up_proj.weight' has no 'model.layers.0.mlp.up_proj.weight_scale_inv' or 'model.layers.0.mlp.up_proj.scale'"):
+        load_model(bad)
+    tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 3)
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"has shape \[3, 3\], expected \[6, 2\] \(one scale per 128x128 block of \[688, 256\]\)"):
+        load_model(bad, weights=False)
+
+
+# -- compiled against eager ------------------------------------------------------------
+
+
+def check_bundle(model_dir, backend, tmp_path, buckets=(1, 3)):
+    """Build, then generate at batch 1 and batch 3 through the bundle and with eager
+    (the same weights dequantized at load): every token equal, logits within tolerance."""
+    out = build(BuildOptions(model_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(16,), max_seq=64, backend=backend))
+    stored = [w for e in out.manifest.entries for w in e.weights if w.stored]
+    assert stored, "no weight entered the graphs as stored"
+    assert all(w.dtype == {"fp8": "float8_e4m3fn", "fp4": "uint8"}[w.stored.format] for w in stored if w.stored.part == "values")
+    bundle = Bundle.load(out.out)
+    model = load_model(model_dir, stored=True).model
+    for prompts in (PROMPTS[:1], PROMPTS):
+        kwargs = dict(max_batch=len(prompts), max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True)
+        bundle.bind(model)
+        gen = generate(model, list(prompts), 12, **kwargs)
+        Bundle.unbind(model)
+        report = compare(gen, generate(model, list(prompts), 12, **kwargs), tolerance_for(torch.float32, backend))
+        assert report.tokens_equal, [(p.matching_tokens, p.max_logit_diff) for p in report.per_prompt]
+        assert report.max_logit_diff <= report.tolerance
+    return out
+
+
+@pytest.mark.parametrize("backend", ["export", "inductor", "xla"])
+def test_fp8_llama_compiled_equals_eager(models, tmp_path, backend):
+    out = check_bundle(models["llama"], backend, tmp_path)
+    if backend == "inductor":  # the CPU decodes fp8 by moving bits: every fp8 weight of a layer
+        decode = next(e for e in out.manifest.entries if e.id == "LlamaDecoderLayer.decode")
+        assert all({p.name: p.changes for p in a.passes}["decode_fp8_bits"] == 7 for a in decode.artifacts)
+
+
+def test_fp4_experts_v4_compiled_equals_eager(models, tmp_path):
+    out = check_bundle(models["v4"], "export", tmp_path)
+    decode = next(e for e in out.manifest.entries if e.id.endswith("Block.decode"))
+    stacked = {(w.path, w.stored.part): w for w in decode.weights if w.transform}
+    assert stacked["ffn.stacked_w1", "values"].shape == [4, 64, 64] and stacked["ffn.stacked_w1", "scale"].shape == [4, 64, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["inductor", "xla"])
+def test_fp4_experts_v4_compiled_equals_eager_slow(models, tmp_path, backend):
+    check_bundle(models["v4"], backend, tmp_path)
+
+
+def test_bundle_of_stored_weights_refuses_a_dequantized_model(models, tmp_path):
+    out = build(BuildOptions(models["llama"], out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export"))
+    with pytest.raises(BundleError, match=r"layers.0.self_attn.q_proj.weight is a graph input stored as fp8, but the model has it dequantized"):
+        Bundle.load(out.out).bind(load_model(models["llama"]).model)
+    # aotc run loads what the bundle needs by itself
+    result = CliRunner().invoke(app, ["run", str(out.out), "--max-new-tokens", "4", "--prompt", "hello"])
+    assert result.exit_code == 0, result.output
