@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 E4M3FN_MAX = 448.0
-E4M3_MAX = 240.0
 
 
 def decode_e4m3fn(byte: int) -> float:
