@@ -190,6 +190,11 @@ def build(
             f"Each has its HLO and command.txt; on a host with the Neuron SDK run: aotc build --resume {result.out}",
             highlight=False,
         )
+    lint = sorted({f for a in result.artifacts for f in getattr(a.record.extra, "lint", [])})
+    for finding in lint[:10]:
+        console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
+    if len(lint) > 10:
+        console.print(f"[yellow]neuron lint:[/] {len(lint) - 10} more (aotc verify {result.out} --json lists them)", highlight=False)
     if result.remote_errors:
         console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {result.remote_errors[0]}", highlight=False)
 
@@ -328,6 +333,54 @@ def run(
     else:
         _print_report(report)
     if check and not report["check"]["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def verify(
+    path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."),
+    strict: bool = typer.Option(False, "--strict", help="Also fail on neuron lint findings (dynamic dimensions, f64, 64-bit integers, custom calls in the HLO)."),
+    plugin: list[str] = PLUGIN,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+):
+    """Run every artifact once against the eager entry method, on inputs the model's own
+    decode and prefill make (rows one under the bucket where that still maps to it, so
+    padding runs), caches filled with random values. Passes when each output and each
+    written cache entry is within tol + tol x |eager| (tol: 1e-3 for float32, 1e-1 for
+    bfloat16, 2e-2 for float16; x5 on xla and neuron), every other cache entry is
+    unchanged but the scratch slot's, and, for xla and neuron bundles, hlo.pb (the file
+    neuronx-cc compiles), compiled as it is by XLA's CPU client, agrees with model.jax
+    (xla) or eager (neuron). Exit 1 on any mismatch."""
+    from .runtime.verify import verify as run_verify
+
+    try:
+        report = run_verify(path, model, plugin, strict)
+    except AotcError as e:
+        _fail(e)
+    if as_json:
+        data = dataclasses.asdict(report)
+        data["passed"] = report.passed
+        print(json.dumps(data))
+    else:
+        table = Table(title=f"{report.bundle}  ({report.backend}, weights: {report.weights})")
+        for col in ("entry", "bucket", "rows", "max abs", "max rel", "tolerance", "hlo.pb", "result"):
+            table.add_column(col, justify="left" if col in ("entry", "hlo.pb", "result") else "right", no_wrap=col == "entry")
+        for a in report.artifacts:
+            hlo = "" if a.hlo is None else f"vs {a.hlo} {a.hlo_max_abs:.2g}"
+            table.add_row(a.entry, str(a.bucket), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.tolerance:g}", hlo, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
+        console.print(table)
+        for a in report.artifacts:
+            for problem in a.problems:
+                console.print(f"[red]{a.entry} bucket {a.bucket}:[/] {problem}", highlight=False)
+        lint = sorted({finding for a in report.artifacts for finding in a.lint})
+        for finding in lint[:20]:
+            console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
+        if len(lint) > 20:
+            console.print(f"[yellow]neuron lint:[/] {len(lint) - 20} more (--json lists them)")
+        failed = sum(not a.passed for a in report.artifacts)
+        console.print(f"{len(report.artifacts) - failed} of {len(report.artifacts)} artifacts match eager" + (f"; {len(lint)} lint findings" if lint else ""))
+    if not report.passed:
         raise typer.Exit(1)
 
 

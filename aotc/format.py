@@ -164,6 +164,7 @@ class XlaExtra:
 class NeuronExtra:
     mutated: list[int]
     fp8: bool  # the graph has fp8 tensors: the compiler gets the fp8 flag
+    lint: list[str]  # what the HLO has that the compiler's guide warns of (neuron.lint), by FX node
     pending: str | None  # why neuronx-cc did not run yet; None once compiled
 
 

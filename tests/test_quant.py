@@ -22,6 +22,7 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.passes.decode_fp8_bits import DecodeFp8Bits
 from aotc.runtime import Bundle, compare, generate, tolerance_for
+from aotc.runtime.verify import verify
 
 PROMPTS = ([1, 5, 9, 14, 3, 22, 7], [1, 40, 41, 42], [1, 100, 17, 18, 19, 20, 21, 22, 23])
 
@@ -177,6 +178,9 @@ def check_bundle(model_dir, backend, tmp_path, buckets=(1, 3)):
         report = compare(gen, generate(model, list(prompts), 12, **kwargs), tolerance_for(torch.float32, backend))
         assert report.tokens_equal, [(p.matching_tokens, p.max_logit_diff) for p in report.per_prompt]
         assert report.max_logit_diff <= report.tolerance
+    # and artifact by artifact, padding included (aotc verify)
+    checked = verify(out.out)
+    assert checked.passed, [(a.entry, a.bucket, a.problems) for a in checked.artifacts]
     return out
 
 

@@ -84,6 +84,44 @@ def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> 
     return cmd + ["--output", neff]
 
 
+def lint(hlo_proto: bytes, sources: dict[str, str] | None = None) -> list[str]:
+    """What an HLO module has that neuronx-cc's CLI guide warns of, one line per finding,
+    naming the FX node (from the op_name metadata that xla.lower scopes by node) and,
+    with `sources` (node name -> source line), where it came from:
+    dynamic dimensions, f64, 64-bit integers (the guide's --native-int64 and
+    --implicit-integer-downcast govern them), custom calls."""
+    from jax._src.lib import xla_client  # jaxlib's HLO binding; jax exports it only under _src
+
+    text = xla_client.XlaComputation(hlo_proto).get_hlo_module().to_string()
+    findings = []
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        if opcode in ("tuple", "get-tuple-element"):  # they only carry what their operands made
+            continue
+        what = []
+        if "<=" in shape or "?" in shape:
+            what.append(f"a dynamic dimension ({shape})")
+        if "f64" in shape:
+            what.append("f64, which neuronx-cc does not compute")
+        if re.search(r"\b[su]64\[", shape):
+            what.append(f"a 64-bit integer ({shape.split('{')[0]}); see --native-int64 / --implicit-integer-downcast")
+        if opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            what.append(f"custom call {target.group(1) if target else '?'}")
+        if what:
+            op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
+            node = op_name.group(1) if op_name else "(no FX node)"
+            where = f" at {sources[node]}" if sources and node in sources else ""
+            findings.append(f"{node}{where}: {name} {opcode}: {'; '.join(what)}")
+    return findings
+
+
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?(\S+)\s*=\s*(\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^=]*?\))\s+([a-z][a-z0-9-]*)\(")
+
+
 def has_fp8(graph: "TracedGraph") -> bool:
     """The graph takes fp8 inputs (stored weights, caches): the compiler needs the flag."""
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
@@ -170,14 +208,15 @@ class NeuronBackend(Backend):
         (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
         fp8 = has_fp8(graph)
+        findings = lint(lowered.hlo_proto, lowered.sources)
         cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
         # For people reading the bundle; --resume rebuilds the command from the typed flags.
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
         files = [xla.HLO_PROTO, xla.HLO_TEXT, COMMAND]
         if compiler_version() is None:
-            return CompileResult(files, NeuronExtra(lowered.mutated, fp8, f"{COMPILER} was not on PATH on the build machine"))
+            return CompileResult(files, NeuronExtra(lowered.mutated, fp8, findings, f"{COMPILER} was not on PATH on the build machine"))
         run_compiler(cmd, out_dir)
-        return CompileResult(files + [NEFF, LOG], NeuronExtra(lowered.mutated, fp8, None))
+        return CompileResult(files + [NEFF, LOG], NeuronExtra(lowered.mutated, fp8, findings, None))
 
     def finish(self, bundle: Path, manifest: "Manifest", jobs: int | None, progress: Progress) -> list[ArtifactRecord]:
         """Run neuronx-cc on each pending artifact's HLO, with the command made from the

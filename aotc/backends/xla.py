@@ -24,6 +24,7 @@ import torch
 
 from ..errors import BackendError
 from ..format import HLO_PROTO, HLO_TEXT, JAX_MODULE, ArtifactRecord, XlaExtra
+from ..passes.base import source_line
 from .base import Backend, CompileResult, Runner, register_backend
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class Lowered:
     # Input positions of the written caches, in the order of the leading outputs
     # that hold their updates; each is donated (aliased to that output).
     mutated: list[int]
+    sources: dict[str, str]  # FX node name (the HLO's op_name scope) -> the user's source line
 
 
 def lower(graph: "TracedGraph") -> Lowered:
@@ -165,10 +167,15 @@ def lower(graph: "TracedGraph") -> Lowered:
     caches = [i for i, info in enumerate(graph.inputs) if info.kind == "cache"]
     if sorted(mutated) != sorted(set(mutated)) or not set(mutated) <= set(caches):
         raise BackendError(f"{graph.variant.entry_id}: the graph mutates inputs {mutated} that are not its caches {caches}")
-    interpreter = torchax.export.JaxInterpreter
+    class Named(torchax.export.JaxInterpreter):
+        # Each FX node's ops carry its name in the HLO metadata (op_name=".../<node>/..."),
+        # so that a finding in the HLO (aotc verify, the neuron lint) names the node.
+        def run_node(self, n):
+            with jax.named_scope(n.name):
+                return super().run_node(n)
 
     def computation(*args):
-        return tuple(interpreter(gm).run(*args, enable_io_processing=False))
+        return tuple(Named(gm).run(*args, enable_io_processing=False))
 
     specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in placeholders]
     jitted = jax.jit(computation, donate_argnums=tuple(mutated))
@@ -178,7 +185,8 @@ def lower(graph: "TracedGraph") -> Lowered:
         warnings.filterwarnings("ignore", message=r".*requested in astype is not available", category=UserWarning)
         hlo = jitted.lower(*specs).compiler_ir("hlo")
         exported = jax.export.export(jitted)(*specs)
-    return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated)
+    sources = {n.name: source_line(n) for n in gm.graph.nodes if n.op == "call_function"}
+    return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated, sources)
 
 
 def _jax_dtype(dtype: torch.dtype):

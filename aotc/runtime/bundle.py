@@ -35,8 +35,10 @@ class Bundle:
     load_s: float
 
     @classmethod
-    def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None) -> "Bundle":
+    def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None, load_artifacts: bool = True) -> "Bundle":
         """Read the manifest, check every file's sha256, load every artifact.
+        load_artifacts=False checks the files but loads none (aotc verify of a neuron
+        bundle, where the Neuron runtime is missing or artifacts are pending).
 
         A bundle built with plugins needs them named in `plugins` (the user's
         --plugin): aotc never imports a module because a bundle names it.
@@ -58,24 +60,26 @@ class Bundle:
             )
         load_plugins(manifest.plugins)
         pending = manifest.pending()
-        if pending:
+        if pending and load_artifacts:
             names = ", ".join(f"{e.id} bucket {a.bucket}" for e, a in pending)
             raise BundleError(
                 f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
             )
-        backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
-        why = backend.incompatible(manifest)
-        if why:
-            raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
         runners = {}
+        if load_artifacts:
+            backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
+            why = backend.incompatible(manifest)
+            if why:
+                raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
         for entry, art in manifest.artifacts():
             art_dir = path / art.dir
             bad = bad_file(art_dir, art.files)
             if bad:
                 raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
-            _check_signature(path, entry, art, backend.signature(art_dir))
-            runners[(entry.id, art.bucket)] = backend.load(art_dir, art)
+            if load_artifacts:
+                _check_signature(path, entry, art, backend.signature(art_dir))
+                runners[(entry.id, art.bucket)] = backend.load(art_dir, art)
         return cls(path, manifest, runners, time.perf_counter() - t0)
 
     @property

@@ -1,0 +1,120 @@
+"""`aotc verify`: every artifact against eager, hlo.pb run as it is, padding confined to
+the scratch slot, and the neuron lint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from aotc.backends.neuron import lint
+from aotc.build import BuildOptions, build
+from aotc.cli import app
+from aotc.models.tiny import write_tiny
+from aotc.runtime.verify import verify
+
+from .conftest import rehash
+
+OPTIONS = dict(batch_buckets=(1, 3), chunk_buckets=(16,), max_seq=64)
+
+
+@pytest.fixture(scope="module")
+def xla_bundles(tiny_dir, tmp_path_factory):
+    """The tiny model on xla, and the same model with another rms_norm_eps: graphs of the
+    same signature that compute something else."""
+    root = tmp_path_factory.mktemp("verify")
+    other = write_tiny(root / "other-eps", layers=2, rms_norm_eps=0.5)
+    return (
+        build(BuildOptions(tiny_dir, out=root / "xla", backend="xla", **OPTIONS)).out,
+        build(BuildOptions(other, out=root / "xla-other", backend="xla", **OPTIONS)).out,
+    )
+
+
+def test_export_bundle_verifies_every_artifact(tiny_bundle):
+    report = verify(tiny_bundle.out)
+    assert report.passed, [(a.entry, a.bucket, a.problems) for a in report.artifacts]
+    got = {(a.entry, a.bucket, a.rows) for a in report.artifacts}
+    # one row under each bucket where that still maps to it: padding runs
+    assert got == {
+        ("LlamaDecoderLayer.decode", 1, 1), ("LlamaDecoderLayer.decode", 2, 2), ("LlamaDecoderLayer.decode", 4, 3),
+        ("LlamaDecoderLayer.prefill", 16, 15), ("LlamaDecoderLayer.prefill", 64, 63),
+        ("LMHead.forward", 1, 1), ("LMHead.forward", 2, 2), ("LMHead.forward", 4, 3),
+    }  # fmt: skip
+
+
+def test_xla_bundle_runs_hlo_pb_as_it_is(xla_bundles):
+    report = verify(xla_bundles[0])
+    assert report.passed, [(a.entry, a.bucket, a.problems) for a in report.artifacts]
+    assert all(a.hlo == "model.jax" and a.hlo_max_abs == 0.0 for a in report.artifacts)
+
+
+def test_a_replaced_hlo_pb_fails_naming_the_artifact(xla_bundles, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(xla_bundles[0], bundle)
+    target = "entries/LlamaDecoderLayer.decode/b3/hlo.pb"
+    shutil.copy(xla_bundles[1] / target, bundle / target)  # same signature, rms_norm_eps 0.5
+    rehash(bundle)
+    r = CliRunner().invoke(app, ["verify", str(bundle)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1, r.output
+    assert "LlamaDecoderLayer.decode bucket 3: hlo.pb output against model.jax 0 differs" in " ".join(r.output.split())
+    report = verify(bundle)
+    assert [(a.entry, a.bucket) for a in report.artifacts if not a.passed] == [("LlamaDecoderLayer.decode", 3)]
+
+
+def test_padding_that_reaches_a_real_slot_fails(tiny_bundle, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for e in manifest["entries"]:
+        for a in e["artifacts"]:
+            for i in a["inputs"]:
+                if i["name"] == "slots":
+                    i["pad"] = 0  # padding rows write slot 0, a real sequence's, not the scratch slot
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify(bundle)
+    failed = {(a.entry, a.bucket): a.problems for a in report.artifacts if not a.passed}
+    assert set(failed) == {("LlamaDecoderLayer.decode", 4), ("LlamaDecoderLayer.prefill", 16), ("LlamaDecoderLayer.prefill", 64)}
+    assert any("(slot 0), where eager wrote nothing" in p for p in failed["LlamaDecoderLayer.decode", 4])
+
+
+def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the artifacts stay pending
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, **OPTIONS)).out
+    report = verify(out)
+    assert report.passed and all(a.hlo == "eager" for a in report.artifacts)
+    assert not any(a.lint for a in report.artifacts)  # int32 indices, no f64, no custom call
+    # A lint finding is a warning, and an error with --strict.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["entries"][0]["artifacts"][0]["extra"]["lint"] = ["add_3 at model.py:1: %add.1 add: f64, which neuronx-cc does not compute"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    runner = CliRunner()
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    r = runner.invoke(app, ["verify", str(out), "--strict"])
+    assert r.exit_code == 1 and "neuron lint: add_3 at model.py:1" in r.output
+
+
+def test_random_weights_without_a_model_folder(tiny_bundle, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["model"]["source"] = str(tmp_path / "gone")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify(bundle)
+    assert report.weights == "random" and report.passed
+
+
+def test_lint_names_the_node_and_its_source_line():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, i):
+        with jax.named_scope("add_1"):
+            return x.astype(jnp.float64) + 1, i + i
+
+    with jax.enable_x64(True):
+        pb = jax.jit(f).lower(jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.int64)).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    found = lint(pb, {"add_1": "model.py:12"})
+    assert any(x.startswith("add_1 at model.py:12: ") and "f64" in x for x in found)
+    assert any("add_1 at model.py:12: " in x and "64-bit integer (s64[2])" in x for x in found)
