@@ -7,7 +7,10 @@ import json
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
+
+import aotc
 
 from aotc.backends.neuron import lint
 from aotc.build import BuildOptions, build
@@ -118,3 +121,27 @@ def test_lint_names_the_node_and_its_source_line():
     found = lint(pb, {"add_1": "model.py:12"})
     assert any(x.startswith("add_1 at model.py:12: ") and "f64" in x for x in found)
     assert any("add_1 at model.py:12: " in x and "64-bit integer (s64[2])" in x for x in found)
+
+
+class _IgnoresAnInput(torch.nn.Module):
+    @aotc.entry(bucket="batch")
+    def step(self, x, unused):
+        return x + 1
+
+    def example_inputs(self, method, rows, shapes):
+        return (torch.zeros(rows, 4), torch.zeros(rows, dtype=torch.long))
+
+
+def test_hlo_pb_takes_every_graph_input_even_unread_ones():
+    """The runtime passes every input positionally: an HLO that dropped one unread
+    (jit's default) would shift the rest, as it did for DeepSeek V4's token ids."""
+    from jax._src.lib import xla_client
+
+    from aotc.backends.xla import lower
+    from aotc.trace import Shapes, find_variants, trace
+
+    shapes = Shapes(slots=3, max_seq=8)
+    graph = trace(find_variants(torch.nn.ModuleList([_IgnoresAnInput()]), shapes)[0], 2, shapes)
+    module = xla_client.XlaComputation(lower(graph).hlo_proto).get_hlo_module().to_string()
+    entry = module[module.index("ENTRY"):]
+    assert entry.count(" parameter(") == 2

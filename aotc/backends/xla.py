@@ -24,7 +24,6 @@ import torch
 
 from ..errors import BackendError
 from ..format import HLO_PROTO, HLO_TEXT, JAX_MODULE, ArtifactRecord, XlaExtra
-from ..passes.base import source_line
 from .base import Backend, CompileResult, Runner, register_backend
 
 if TYPE_CHECKING:
@@ -178,13 +177,18 @@ def lower(graph: "TracedGraph") -> Lowered:
         return tuple(Named(gm).run(*args, enable_io_processing=False))
 
     specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in placeholders]
-    jitted = jax.jit(computation, donate_argnums=tuple(mutated))
+    # keep_unused: hlo.pb takes every graph input, in order, as the runtime passes them
+    # (jit would drop an input the computation does not read, such as token ids in a
+    # layer that does not hash them, and shift every later parameter).
+    jitted = jax.jit(computation, donate_argnums=tuple(mutated), keep_unused=True)
     with warnings.catch_warnings():
         # JAX runs without x64: int64 indices and positions are computed as int32,
         # exact for every index a cache can hold (< 2^31). JAX warns at each cast.
         warnings.filterwarnings("ignore", message=r".*requested in astype is not available", category=UserWarning)
         hlo = jitted.lower(*specs).compiler_ir("hlo")
         exported = jax.export.export(jitted)(*specs)
+    from ..passes.base import source_line  # build-time only: loading a bundle imports no pass
+
     sources = {n.name: source_line(n) for n in gm.graph.nodes if n.op == "call_function"}
     return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated, sources)
 

@@ -15,11 +15,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .. import fp8
 from ..backends import Runner, get_backend
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
-from .. import fp8
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_of
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
