@@ -148,12 +148,11 @@ class Lowered:
     sources: dict[str, str]  # FX node name (the HLO's op_name scope) -> the user's source line
 
 
-def lower(graph: "TracedGraph") -> Lowered:
-    """The traced graph as one XLA computation: f(*inputs) -> (*updated caches, *outputs)."""
+def decomposed(graph: "TracedGraph") -> tuple[torch.fx.GraphModule, list[int]]:
+    """The traced graph as torchax lowers it: functional (each in-place cache write
+    becomes an output), decomposed, without export's metadata asserts; and the input
+    positions of the written caches, in the order of the outputs that hold them."""
     torchax = import_torchax()
-    import jax
-
-    # Functionalize: each in-place cache write becomes an output (USER_INPUT_MUTATION).
     program = graph.program.run_decompositions().run_decompositions(torchax.decompositions.DECOMPOSITIONS)
     gm = program.graph_module
     # Export's runtime metadata asserts have no XLA lowering and no effect on values.
@@ -166,9 +165,17 @@ def lower(graph: "TracedGraph") -> Lowered:
     caches = [i for i, info in enumerate(graph.inputs) if info.kind == "cache"]
     if sorted(mutated) != sorted(set(mutated)) or not set(mutated) <= set(caches):
         raise BackendError(f"{graph.variant.entry_id}: the graph mutates inputs {mutated} that are not its caches {caches}")
+    return gm, mutated
+
+
+def jitted(gm: torch.fx.GraphModule, donate: tuple[int, ...] = ()):
+    """gm as a jitted JAX function of its placeholders, and their shape specs."""
+    torchax = import_torchax()
+    import jax
+
     class Named(torchax.export.JaxInterpreter):
         # Each FX node's ops carry its name in the HLO metadata (op_name=".../<node>/..."),
-        # so that a finding in the HLO (aotc verify, the neuron lint) names the node.
+        # so that a finding in the HLO (aotc verify, the neuron lint, aotc bisect) names the node.
         def run_node(self, n):
             with jax.named_scope(n.name):
                 return super().run_node(n)
@@ -176,19 +183,40 @@ def lower(graph: "TracedGraph") -> Lowered:
     def computation(*args):
         return tuple(Named(gm).run(*args, enable_io_processing=False))
 
-    specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in placeholders]
+    specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in gm.graph.nodes if n.op == "placeholder"]
     # keep_unused: hlo.pb takes every graph input, in order, as the runtime passes them
     # (jit would drop an input the computation does not read, such as token ids in a
     # layer that does not hash them, and shift every later parameter).
-    jitted = jax.jit(computation, donate_argnums=tuple(mutated), keep_unused=True)
+    return jax.jit(computation, donate_argnums=donate, keep_unused=True), specs
+
+
+@contextlib.contextmanager
+def _x64_casts_quiet():
     with warnings.catch_warnings():
         # JAX runs without x64: int64 indices and positions are computed as int32,
         # exact for every index a cache can hold (< 2^31). JAX warns at each cast.
         warnings.filterwarnings("ignore", message=r".*requested in astype is not available", category=UserWarning)
-        hlo = jitted.lower(*specs).compiler_ir("hlo")
-        exported = jax.export.export(jitted)(*specs)
+        yield
+
+
+def hlo_of(gm: torch.fx.GraphModule) -> bytes:
+    """gm's HloModuleProto, lowered as `lower` does (aotc bisect's subgraphs)."""
+    fn, specs = jitted(gm)
+    with _x64_casts_quiet():
+        return fn.lower(*specs).compiler_ir("hlo").as_serialized_hlo_module_proto()
+
+
+def lower(graph: "TracedGraph") -> Lowered:
+    """The traced graph as one XLA computation: f(*inputs) -> (*updated caches, *outputs)."""
+    import jax
+
     from ..passes.base import source_line  # build-time only: loading a bundle imports no pass
 
+    gm, mutated = decomposed(graph)
+    fn, specs = jitted(gm, tuple(mutated))
+    with _x64_casts_quiet():
+        hlo = fn.lower(*specs).compiler_ir("hlo")
+        exported = jax.export.export(fn)(*specs)
     sources = {n.name: source_line(n) for n in gm.graph.nodes if n.op == "call_function"}
     return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated, sources)
 

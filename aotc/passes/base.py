@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -95,7 +96,10 @@ def source_line(node: fx.Node) -> str:
     """The user's source line a node came from, for error messages."""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    return lines[-1] if lines else "(source line unknown)"
+    # The innermost frame of the user's code, not torch's own (nn.Linear's F.linear line).
+    torch_dir = str(Path(torch.__file__).parent)
+    users = [ln for ln in lines if not ln.startswith(f'File "{torch_dir}')]
+    return (users or lines or ["(source line unknown)"])[-1]
 
 
 def fake_val(node: fx.Node) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""`aotc bisect`: shrink a compiler failure to the smallest failing run of graph nodes.
+
+A bundle keeps no pickled graphs, so the failing artifact's graph is traced
+again from the model folder, through the same passes, and lowered as the
+backend lowers it (aotc.backends.xla: functional, decomposed). Its nodes are
+cut into contiguous ranges; a range becomes a graph of its own, its live inputs
+as parameters and its live values as outputs, lowered to HLO and given to the
+compiler with the artifact's own flags. Delta debugging on the two ends:
+
+  1. the whole graph must fail; its error code (NCC_...) is the one sought;
+  2. binary search for the shortest prefix [0, e) that fails with that code;
+  3. binary search for the latest start s such that [s, e) still fails.
+
+About 2 log2(nodes) + 1 compiler runs. A failure caused by one node (an op the
+compiler mishandles) shrinks to that node; one that needs several to interact
+shrinks to the shortest run that holds them all. Results are reported with each
+node's source line in the user's model, the minimal HLO and a one-line command
+that reproduces it. The work folder is kept.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import fx
+
+from .errors import AotcError, BackendError
+from .format import LOG, NEFF, read_manifest
+
+HLO = "hlo.pb"
+
+
+@dataclass
+class Attempt:
+    start: int
+    end: int
+    failed: bool
+    code: str | None  # the NCC error code, when failed
+    folder: str
+
+
+@dataclass
+class BisectResult:
+    entry: str
+    bucket: int
+    code: str
+    nodes: list[str]  # the smallest failing range, "name = target"
+    sources: list[str]  # each node's source line in the user's model
+    hlo: str  # the minimal failing HLO
+    log: str
+    command: str  # one line that reproduces the failure
+    runs: int  # compiler runs
+    total_nodes: int
+    work: str
+    attempts: list[Attempt] = field(default_factory=list)
+
+
+def bisect(
+    bundle: Path | str, entry_id: str, bucket: int, *, model_dir: Path | str | None = None, compiler: str | None = None,
+    work: Path | str | None = None, progress: Callable[[str], None] | None = None,
+) -> BisectResult:  # fmt: skip
+    from .backends import xla
+    from .backends.neuron import NeuronOptions, compiler_command
+    from .build import BuildOptions
+    from .build.plan import make_plan
+    from .passes.base import source_line
+    from .trace import trace
+
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    name = manifest.backend.name
+    if name not in ("xla", "neuron"):
+        raise AotcError(f"{bundle} is a {name} bundle; aotc bisect shrinks failures of compilers that take HLO (xla and neuron bundles)")
+    entry = next((e for e in manifest.entries if e.id == entry_id), None)
+    if entry is None:
+        raise AotcError(f"--entry {entry_id}: {bundle} has no such entry; it has {', '.join(e.id for e in manifest.entries)}")
+    if bucket not in [a.bucket for a in entry.artifacts]:
+        raise AotcError(f"--bucket {bucket}: {entry_id} has buckets {', '.join(str(a.bucket) for a in entry.artifacts)}")
+    options = NeuronOptions(**manifest.backend.flags) if name == "neuron" else NeuronOptions()
+    argv0 = shlex.split(compiler) if compiler else None
+    model_dir = Path(model_dir or manifest.model.source)
+    build_options = BuildOptions(
+        model_dir, batch_buckets=tuple(manifest.shapes.batch), chunk_buckets=tuple(manifest.shapes.chunk),
+        max_seq=manifest.shapes.max_seq, backend="xla", plugins=tuple(manifest.plugins),
+    )  # fmt: skip
+    plan = make_plan(build_options)
+    variant = next((v for v in plan.variants if v.entry_id == entry_id), None)
+    if variant is None:
+        raise AotcError(f"{model_dir} traces no entry {entry_id} today; the model changed since {bundle} was built. Pass --model with the folder it was built from")
+    say = progress or (lambda _: None)
+    say(f"tracing {entry_id} bucket {bucket} from {model_dir}")
+    gm, _ = xla.decomposed(trace(variant, bucket, plan.shapes, "neuron" if name == "neuron" else "xla"))
+    units = _units(gm)
+    work = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"aotc-bisect-{entry_id}-b{bucket}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    attempts: dict[tuple[int, int], Attempt] = {}
+
+    def attempt(start: int, end: int) -> Attempt:
+        if (start, end) in attempts:
+            return attempts[start, end]
+        folder = work / f"nodes-{start}-{end}"
+        if folder.exists():
+            shutil.rmtree(folder)  # a folder of our own from an earlier attempt of this range
+        folder.mkdir()
+        sub = _subgraph(gm, units[start:end])
+        (folder / HLO).write_bytes(xla.hlo_of(sub))
+        cmd = compiler_command(options, HLO, NEFF, _takes_fp8(sub))
+        if argv0:
+            cmd = argv0 + cmd[1:]
+        code = _compile(cmd, folder)
+        a = attempts[start, end] = Attempt(start, end, code is not None, code, str(folder))
+        say(f"compile {len(attempts)}: nodes {start}..{end - 1} of {len(units)}: {'fails with ' + code if code else 'passes'}")
+        return a
+
+    whole = attempt(0, len(units))
+    if not whole.failed:
+        raise AotcError(f"{entry_id} bucket {bucket} compiles; nothing to bisect (work folder {work})")
+    code = whole.code
+    fails = lambda s, e: attempt(s, e).code == code  # noqa: E731  (the same failure, not any)
+    lo, hi = 1, len(units)  # shortest failing prefix: [0, hi) fails
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fails(0, mid) else (mid + 1, hi)
+    end = hi
+    lo, hi = 0, end - 1  # latest failing start: [lo, end) fails
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fails(mid, end) else (lo, mid - 1)
+    start = lo
+    minimal = attempt(start, end)
+    nodes = [n for unit in units[start:end] for n in unit]
+    folder = Path(minimal.folder)
+    cmd = compiler_command(options, HLO, NEFF, _takes_fp8(_subgraph(gm, units[start:end])))
+    if argv0:
+        cmd = argv0 + cmd[1:]
+    return BisectResult(
+        entry_id, bucket, code,
+        [f"{n.name} = {n.target}" for n in nodes], [source_line(n) for n in nodes],
+        str(folder / HLO), str(folder / LOG), f"cd {shlex.quote(str(folder))} && {shlex.join(cmd)}",
+        len(attempts), len(units), str(work), sorted(attempts.values(), key=lambda a: (a.start, -a.end)),
+    )  # fmt: skip
+
+
+def _units(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The graph's compute nodes in order, each with the getitems that unpack it: a cut
+    never falls between a node that returns several tensors and their uses."""
+    units: list[list[fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and units and node.args[0] in units[-1]:
+            units[-1].append(node)
+        else:
+            units.append([node])
+    return units
+
+
+def _subgraph(gm: fx.GraphModule, units: list[list[fx.Node]]) -> fx.GraphModule:
+    """The nodes of `units` as a graph: what they read from outside as placeholders, what
+    is read after them (or is the graph's output) as outputs."""
+    inside = [n for unit in units for n in unit]
+    members = set(inside)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env:
+            p = graph.placeholder(n.name)
+            p.meta["val"] = n.meta["val"]
+            env[n] = p
+        return env[n]
+
+    for n in inside:
+        for used in n.all_input_nodes:
+            if used not in members:
+                value(used)
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    live = [n for n in inside if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)]
+    graph.output(tuple(env[n] for n in (live or inside[-1:])))
+    return fx.GraphModule(gm, graph)
+
+
+def _takes_fp8(gm: fx.GraphModule) -> bool:
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return any(n.op == "placeholder" and n.meta["val"].dtype in fp8 for n in gm.graph.nodes)
+
+
+def _compile(cmd: list[str], folder: Path) -> str | None:
+    """None when the compiler succeeds, else its NCC error code ("exit N" without one)."""
+    from .backends.neuron import run_compiler
+
+    try:
+        run_compiler(cmd, folder)
+    except BackendError as e:
+        found = re.search(r"NCC_[A-Z0-9]+", str(e))
+        return found.group(0) if found else re.sub(r".*failed ", "", str(e)).split(";")[0]
+    return None

@@ -1,0 +1,92 @@
+"""`aotc bisect` against the neuronx-cc test double, made to fail with a chosen NCC code
+whenever the HLO it gets holds a chosen op."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotc.backends import neuron
+from aotc.bisect import bisect
+from aotc.build import BuildOptions, build
+from aotc.cli import app
+from aotc.errors import AotcError
+
+from .test_neuron import lowers
+
+FAKES = Path(__file__).parent / "fakes"
+pytestmark = lowers
+
+
+@pytest.fixture(scope="module")
+def neuron_bundle(tiny_dir, tmp_path_factory):
+    """A neuron cross-build of the tiny model (no compiler on PATH: artifacts pending)."""
+    saved = os.environ["PATH"]
+    os.environ["PATH"] = os.pathsep.join(p for p in saved.split(os.pathsep) if not (Path(p) / "neuronx-cc").exists())
+    neuron.compiler_version.cache_clear()
+    try:
+        out = tmp_path_factory.mktemp("bisect") / "bundle"
+        return build(BuildOptions(tiny_dir, out=out, backend="neuron", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, use_cache=False)).out
+    finally:
+        os.environ["PATH"] = saved
+        neuron.compiler_version.cache_clear()
+
+
+@pytest.fixture()
+def failing_on(monkeypatch, tmp_path):
+    """The test double on PATH, failing with NCC_IINL902 on HLO that holds `op`; returns a
+    counter of its compile runs."""
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_NEURONX_CC_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "pattern")
+    monkeypatch.setenv("FAKE_NEURONX_CC_CODE", "NCC_IINL902")
+
+    def arm(op: str):
+        monkeypatch.setenv("FAKE_NEURONX_CC_PATTERN", op)
+        return lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    return arm
+
+
+def test_bisect_finds_the_node_and_its_source_line(neuron_bundle, failing_on, tmp_path):
+    runs = failing_on("rsqrt")  # RMSNorm's rsqrt: the first one is in input_layernorm
+    result = bisect(neuron_bundle, "LlamaDecoderLayer.decode", 1, work=tmp_path / "work")
+    assert result.code == "NCC_IINL902"
+    assert result.nodes == ["rsqrt = aten.rsqrt.default"]
+    assert result.sources[0].endswith(", in forward") and "aotc/models/llama.py" in result.sources[0]
+    line = int(result.sources[0].split("line ")[1].split(",")[0])
+    source = Path(sys.modules["aotc.models.llama"].__file__).read_text().splitlines()[line - 1]
+    assert "torch.rsqrt" in source
+    assert runs() == result.runs <= 2 * math.log2(result.total_nodes) + 5
+    assert b"rsqrt" in Path(result.hlo).read_bytes() and Path(result.log).is_file()
+    assert result.command.startswith(f"cd {result.hlo.rsplit('/', 1)[0]} && neuronx-cc compile hlo.pb --framework XLA --target trn2")
+
+
+def test_bisect_cli_json_and_another_compiler(neuron_bundle, failing_on, tmp_path):
+    failing_on("dot")  # the first matmul: q_proj
+    compiler = f"{sys.executable} {FAKES / 'neuronx-cc'}"  # any command taking neuronx-cc's argv
+    r = CliRunner().invoke(app, ["bisect", str(neuron_bundle), "--entry", "LlamaDecoderLayer.prefill", "--bucket", "16", "--compiler", compiler, "--json", "--work", str(tmp_path / "w")])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.output)
+    assert result["code"] == "NCC_IINL902" and len(result["nodes"]) == 1 and "self.q_proj(x)" in Path(sys.modules["aotc.models.llama"].__file__).read_text().splitlines()[int(result["sources"][0].split("line ")[1].split(",")[0]) - 1]
+    assert result["command"].split(" && ")[1].startswith(compiler)
+    assert (tmp_path / "w").is_dir()
+
+
+def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle):
+    failing_on("no-such-op")
+    with pytest.raises(AotcError, match="compiles; nothing to bisect"):
+        bisect(neuron_bundle, "LMHead.forward", 1)
+    with pytest.raises(AotcError, match="has no such entry; it has LlamaDecoderLayer.decode"):
+        bisect(neuron_bundle, "Nope.decode", 1)
+    with pytest.raises(AotcError, match="--bucket 7: LMHead.forward has buckets 1, 2"):
+        bisect(neuron_bundle, "LMHead.forward", 7)
+    with pytest.raises(AotcError, match="is a export bundle; aotc bisect shrinks failures of compilers that take HLO"):
+        bisect(tiny_bundle.out, "LMHead.forward", 1)
