@@ -80,6 +80,14 @@ def test_bisect_cli_json_and_another_compiler(neuron_bundle, failing_on, tmp_pat
     assert (tmp_path / "w").is_dir()
 
 
+def test_bisect_seeks_the_same_failure_not_any(neuron_bundle, failing_on, tmp_path):
+    # The whole graph fails on its matmuls (NCC_IINL902); the input norm's rsqrt, earlier
+    # in the graph, fails another way: a prefix ending there is not the failure sought.
+    failing_on("dot=NCC_IINL902,rsqrt=NCC_IBCG902")
+    result = bisect(neuron_bundle, "LlamaDecoderLayer.decode", 1, work=tmp_path / "work")
+    assert result.code == "NCC_IINL902" and result.nodes == ["mm = aten.mm.default"]
+
+
 def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle):
     failing_on("no-such-op")
     with pytest.raises(AotcError, match="compiles; nothing to bisect"):
