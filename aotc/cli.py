@@ -155,6 +155,9 @@ def build(
             result = run_build(options, progress=report)
     except AotcError as e:
         _fail(e)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the bundle writer has removed its temporary folder
+        err_console.print(f"interrupted: {options.out or 'the cache'} is as it was before this build", highlight=False)
+        raise typer.Exit(130) from None
     where = result.out if result.out else f"cache {result.cache_dir} (shard {shard})"
     table = Table(title=f"{where}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
     for col in ("entry", "bucket", "from", "seconds", "size"):
@@ -195,6 +198,10 @@ def build(
         console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
     if len(lint) > 10:
         console.print(f"[yellow]neuron lint:[/] {len(lint) - 10} more (aotc verify {result.out} --json lists them)", highlight=False)
+    for note in result.notes:
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    for note in result.cache_notes:
+        console.print(f"[yellow]cache:[/] {note}", highlight=False)
     if result.remote_errors:
         console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {result.remote_errors[0]}", highlight=False)
 
@@ -243,7 +250,10 @@ def cache_ls(cache_dir: Optional[Path] = CACHE_DIR):
 
     from .cache import RECORD, LocalCache
 
-    cache = LocalCache(cache_dir)
+    try:
+        cache = LocalCache(cache_dir)
+    except AotcError as e:
+        _fail(e)
     table = Table(title=str(cache.root))
     for col in ("key", "inputs", "outputs", "files", "size", "last used"):
         table.add_column(col)
@@ -300,20 +310,21 @@ def run(
             model_dir = model or path
             loaded = load_model(model_dir)
             tokenizer = _tokenizer(model_dir)
-            prompts = [tokenizer.encode(p).ids for p in prompt]
+            prompts = _encode(tokenizer, prompt)
             max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + max_new_tokens)
             gen = generate(loaded.model, prompts, max_new_tokens, max_batch=max_batch or len(prompts), max_seq=max_seq)
             report = _report(prompt, gen, None, tokenizer, "eager", str(model_dir), 0.0, time.perf_counter() - t0)
         else:
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
             model_dir = model or Path(b.manifest.model.source)
+            _check_memory(model_dir, b)
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager.
             loaded = load_model(model_dir, stored=True if check else b.stored_params())
             b.check_model(loaded)
             loaded.model.to(b.device)
             tokenizer = _tokenizer(model_dir)
-            prompts = [tokenizer.encode(p).ids for p in prompt]
+            prompts = _encode(tokenizer, prompt)
             b.bind(loaded.model)
             setup_s = time.perf_counter() - t0
             if max_batch is not None and max_batch > b.max_batch:
@@ -450,13 +461,39 @@ def inspect(
     console.print(table)
 
 
+def _check_memory(model_dir: Path, b) -> None:
+    """Refuse before allocating what would not fit (a bundle built for a larger host)."""
+    from .models.base import load_model, memory_shortfall
+
+    short = memory_shortfall(load_model(model_dir, weights=False).model, b.cache_slots, b.max_seq)
+    if short:
+        raise AotcError(
+            f"{b.dir} cannot run here: {short}. Rebuild it with a smaller --max-seq or fewer/smaller --buckets "
+            f"(now max_seq {b.max_seq}, batch buckets {','.join(map(str, b.manifest.shapes.batch))})"
+        )
+
+
 def _tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise AotcError(f"{path}: missing; `aotc run` needs the model's tokenizer.json to encode --prompt text")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for any parse error
+        raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
+
+
+def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
+            raise AotcError(f"--prompt number {i + 1} is not valid UTF-8 text; pass the prompt as UTF-8") from None
+        ids.append(tokenizer.encode(p).ids)
+    return ids
 
 
 def _report(prompts, gen, checked, tokenizer, backend, source, load_s, setup_s) -> dict:

@@ -11,8 +11,9 @@ sharded build stops after obtain: it fills the cache and writes no bundle.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backends import Backend, Progress
@@ -23,7 +24,7 @@ from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, save_recipe
 from ..errors import AotcError
 from ..format import Manifest, bundle_writer, check_replaceable, read_manifest, write_manifest
-from ..models.base import load_model
+from ..models.base import load_model, memory_shortfall
 from ..trace import Variant
 from .assemble import assemble_manifest
 from .key import KeyedGraph, key_graphs
@@ -47,6 +48,7 @@ class BuildResult:
     seconds: float
     jobs: int
     cache_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)  # warnings: the cache cannot be written, the caches would not fit here
 
     def count(self, source: str) -> int:
         return sum(a.source == source for a in self.artifacts)
@@ -54,6 +56,10 @@ class BuildResult:
     @property
     def remote_errors(self) -> list[str]:
         return [e for a in self.artifacts for e in a.remote_errors]
+
+    @property
+    def cache_notes(self) -> list[str]:
+        return [n for a in self.artifacts for n in a.cache_notes]
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -64,16 +70,30 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     t0 = time.perf_counter()
     progress = progress or _quiet
     cache = LocalCache(options.cache_dir) if options.use_cache else None
+    notes = []
+    why = cache.writable() if cache is not None else None
+    if why:
+        if options.require_cache or options.shard:
+            raise CacheError(f"the compile cache cannot be written ({why}); --require-cache and --shard need it. Pass a writable --cache-dir")
+        notes.append(f"the compile cache cannot be written ({why}); building without it")
+        cache, options = None, dataclasses.replace(options, use_cache=False)
     config_dict, model_class, backend = resolve(options)
     if not options.shard:
         check_replaceable(options.out)  # before any work: aotc replaces only its own bundles
     recipe = None
     if cache is not None and not options.shard:
         recipe = recipe_key(options, config_dict, model_class, backend)
-        done = _from_recipe(options, cache, recipe, t0)
+        try:
+            done = _from_recipe(options, cache, recipe, t0)
+        except CacheError as e:  # a corrupt recipe: a miss, said so; the build writes a new one
+            notes.append(f"{e}; built the normal way")
+            done = None
         if done is not None:
             return done
     p = make_plan(options, backend)
+    short = memory_shortfall(p.loaded.model, p.shapes.slots, p.shapes.max_seq)
+    if short:  # bundles are often built for larger hosts: a warning here, an error at run
+        notes.append(f"this bundle will not run on this machine: {short}")
     tasks = shard_of(p.tasks, options.shard) if options.shard else p.tasks
     keyed = key_graphs(p, tasks)
     if options.require_cache:
@@ -94,7 +114,7 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     if recipe is not None:
         save_recipe(cache, recipe, manifest)
     artifacts = [built[k.entry_id, k.bucket] for k in keyed]
-    return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None)
+    return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None, notes)
 
 
 def build_keys(options: BuildOptions) -> list[tuple[str, int, str]]:

@@ -39,6 +39,7 @@ class BuiltArtifact:
     record: ArtifactRecord
     source: Served
     remote_errors: list[str] = field(default_factory=list)
+    cache_notes: list[str] = field(default_factory=list)  # corrupt entries found, compiled again
 
 
 def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress) -> dict[tuple[str, int], BuiltArtifact]:
@@ -132,6 +133,7 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
     rel = artifact_dir(graph.variant.entry_id, graph.bucket)
     remote = remote_client(remote_url) if remote_url else None
     errors_before = len(remote.errors) if remote else 0
+    notes: list[str] = []
     source: Served
     if cache is None:
         src = out_dir / rel
@@ -139,7 +141,11 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
         record, source = compile_graph(backend, graph, src, key), "uncached"
     else:
         with cache.lock(key):
-            entry, source = cache.get(key), "cache"
+            try:
+                entry, source = cache.get(key), "cache"
+            except CacheError as e:  # a corrupt entry is a miss: compiled again, and said so
+                notes.append(f"{e}; compiled again")
+                entry = None
             if entry is None and remote is not None:
                 entry, source = cache.put(key, lambda tmp: remote.fetch(key, tmp)), "remote"
             if entry is None:
@@ -155,7 +161,7 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
         fields["extra"] = convert(record.extra or {}, EXTRA_TYPES[backend.name], f"cache entry {key}: extra", CacheError)
     art = ArtifactRecord(**fields, bucket=graph.bucket, dims={dim: graph.bucket}, dir=rel, served=source)
     errors = remote.errors[errors_before:] if remote else []
-    return BuiltArtifact(graph.variant.entry_id, graph.bucket, time.perf_counter() - t0, size, art, source, errors)
+    return BuiltArtifact(graph.variant.entry_id, graph.bucket, time.perf_counter() - t0, size, art, source, errors, notes)
 
 
 def copy_files(src: Path, dst: Path, files) -> None:

@@ -24,7 +24,10 @@ def parse_buckets(text: str, option: str) -> tuple[int, ...]:
         raise AotcError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8") from None
     if not values or any(v <= 0 for v in values):
         raise AotcError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8")
-    return tuple(sorted(set(values)))
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise AotcError(f"{option} {text!r}: {', '.join(map(str, repeated))} given more than once; list each bucket once")
+    return tuple(sorted(values))
 
 
 def parse_shard(text: str) -> tuple[int, int]:

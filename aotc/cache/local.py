@@ -64,6 +64,18 @@ class Entry:
 class LocalCache:
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root else default_root()
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheError(f"--cache-dir {self.root}: is a file, not a cache folder; pass a folder (or leave --cache-dir out)")
+
+    def writable(self) -> str | None:
+        """None when builds can write here; else why not (a read-only folder, a full disk)."""
+        try:
+            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root / "tmp"):
+                pass
+        except OSError as e:
+            return f"{self.root}: {e.strerror or e}"
+        return None
 
     def path(self, key: str) -> Path:
         return self.root / "entries" / key[:2] / key

@@ -31,13 +31,17 @@ def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Ent
     file = recipe_file(cache, recipe)
     if not file.is_file():
         return None
+    # A corrupt recipe raises CacheError: the build reports it as a miss and goes the normal way.
     manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
     entries = {}
     for e, art in manifest.artifacts():
         if not is_file_name(e.id) or art.dir != artifact_dir(e.id, art.bucket) or not all(map(is_file_name, art.files)):
             # Not a folder aotc would write: a corrupt recipe is a miss, never followed.
             return None
-        entry = cache.get(art.cache_key)
+        try:
+            entry = cache.get(art.cache_key)
+        except CacheError:
+            return None  # a corrupt entry: the normal build reports it and compiles again
         if entry is None:
             return None  # pruned since: build the normal way
         entries[art.cache_key] = entry

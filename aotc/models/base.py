@@ -8,7 +8,9 @@ unchanged whether the entries are eager or bound to a bundle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+import os
 from pathlib import Path
 from typing import Container
 
@@ -66,6 +68,9 @@ class CausalLM(nn.Module):
     def cache_specs(self, slots: int, max_seq: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Root cache allocations, layer-major: {kind: (shape, dtype)}."""
         raise NotImplementedError
+
+    def cache_bytes(self, slots: int, max_seq: int) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.cache_specs(slots, max_seq).values())
 
     def allocate_caches(self, slots: int, max_seq: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         # Separate allocations per kind, so no two graph inputs share a storage.
@@ -209,7 +214,12 @@ def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> dict:
         ckpt_name = _names(model, checkpoint, name)
         form = stored_form(checkpoint, ckpt_name, tuple(p.shape))
         if form is None:
-            checkpoint.check(ckpt_name, tuple(p.shape))
+            info = checkpoint.check(ckpt_name, tuple(p.shape))
+            if info.dtype.is_floating_point != p.dtype.is_floating_point:
+                raise WeightsError(
+                    f"{info.file}: tensor {ckpt_name!r} is {str(info.dtype).removeprefix('torch.')}, but the model's "
+                    f"{name} is {str(p.dtype).removeprefix('torch.')}; re-save the checkpoint with {'floating-point' if p.dtype.is_floating_point else 'integer'} weights"
+                )
         else:
             forms[name] = form
     return forms
@@ -253,3 +263,21 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype)
     model.init_buffers()
+
+
+def available_memory() -> int:
+    """Bytes this machine can still allocate without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_shortfall(model: CausalLM, slots: int, max_seq: int) -> str | None:
+    """None when the caches for (slots, max_seq) fit in available memory, with a quarter
+    to spare for activations and the rest; else what they need against what there is."""
+    need, have = model.cache_bytes(slots, max_seq), available_memory()
+    if need * 1.25 <= have:
+        return None
+    return f"its caches take {need / 1e9:.1f} GB ({slots} slots x {max_seq} positions), and this machine has {have / 1e9:.1f} GB available"

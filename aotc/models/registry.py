@@ -62,13 +62,17 @@ def resolve(config: dict, source: Path | str) -> Architecture:
     """Pick the architecture for a config.json dict, by `model_type` then `architectures`."""
     archs = architectures().values()
     model_type = config.get("model_type")
-    for arch in archs:
-        if model_type in arch.model_types:
-            return arch
-    for name in config.get("architectures") or ():
-        for arch in archs:
-            if name in arch.architectures:
-                return arch
+    names = config.get("architectures") or ()
+    by_type = next((a for a in archs if model_type in a.model_types), None)
+    by_name = next((a for name in names for a in archs if name in a.architectures), None)
+    if by_name and model_type is not None and by_type is not by_name:
+        what = f"is {by_type.name}" if by_type else "is no architecture aotc knows"
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} {what}, but architectures {list(names)} is {by_name.name}; "
+            "the config contradicts itself. Fix whichever field is wrong"
+        )
+    if by_type or by_name:
+        return by_type or by_name
     known = sorted({t for a in archs for t in a.model_types})
     raise ConfigError(
         f"{source}: unsupported architecture (model_type={model_type!r}, "
