@@ -121,6 +121,22 @@ def test_compile_with_the_compiler_present(tiny_dir, tmp_path, stand_in, monkeyp
 
 
 @lowers
+def test_ops_the_compiler_does_not_list_are_lint_findings_naming_the_source_line(tiny_dir, tmp_path, stand_in, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
+    monkeypatch.setenv("FAKE_NEURONX_CC_UNLISTED", "Rsqrt")  # this compiler's list-operators leaves rsqrt out
+    neuron.listed_operators.cache_clear()
+    try:
+        result = build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+    finally:
+        neuron.listed_operators.cache_clear()
+    lint = {f for _, a in result.manifest.artifacts() for f in a.extra.lint}
+    assert lint and all("rsqrt, which neuronx-cc list-operators does not list" in f for f in lint), lint
+    assert all(f.startswith("rsqrt") and 'aotc/models/llama.py", line' in f for f in lint), lint
+    r = CliRunner().invoke(app, ["verify", str(result.out), "--strict"])
+    assert r.exit_code == 1 and "neuron lint: rsqrt" in r.output
+
+
+@lowers
 def test_compiler_error_quotes_the_ncc_code_and_the_log(tiny_dir, tmp_path, stand_in, monkeypatch):
     monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "error")
     with pytest.raises(BackendError, match=r"neuronx-cc failed with NCC_IBCG902; log: .*compile.log"):

@@ -84,12 +84,45 @@ def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> 
     return cmd + ["--output", neff]
 
 
-def lint(hlo_proto: bytes, sources: dict[str, str] | None = None) -> list[str]:
+# HLO opcodes as neuronx-cc's `list-operators --framework XLA` names them (its table uses
+# the XLA builder's names), where they differ beyond case and punctuation.
+_OPERATOR_NAMES = {
+    "convert": ("convertelementtype",), "dot": ("dot", "dotgeneral"), "broadcast": ("broadcast", "broadcastindim"),
+    "compare": ("compare", "eq", "ne", "lt", "le", "gt", "ge"), "constant": ("constant", "constantliteral"),
+    "maximum": ("max",), "minimum": ("min",), "multiply": ("mul",), "subtract": ("sub",), "divide": ("div",),
+    "power": ("pow",), "negate": ("neg",), "and": ("logicaland", "and"), "not": ("logicalnot", "not"),
+    "exponential": ("exp",), "log": ("log",), "shift-right-logical": ("shiftrightlogical",),
+}
+_ALWAYS = {"parameter", "tuple", "get-tuple-element", "call"}  # structure, not computation
+
+
+@functools.lru_cache(maxsize=None)
+def listed_operators() -> frozenset[str] | None:
+    """The operators `neuronx-cc list-operators --framework XLA` lists, normalized (lower
+    case, letters and digits only); None where neuronx-cc is not installed."""
+    if compiler_version() is None:
+        return None
+    out = subprocess.run([COMPILER, "list-operators", "--framework", "XLA"], capture_output=True, text=True)
+    names = set()
+    for line in out.stdout.splitlines():
+        first = line.strip().strip("|").split("|")[0].strip()
+        if first and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", first) and not first.lower().startswith("supported"):
+            names.add(re.sub(r"[^a-z0-9]", "", first.lower()))
+    return frozenset(names) or None
+
+
+def _listed(opcode: str, operators: frozenset[str]) -> bool:
+    names = _OPERATOR_NAMES.get(opcode, ()) + (re.sub(r"[^a-z0-9]", "", opcode),)
+    return opcode in _ALWAYS or any(n in operators for n in names)
+
+
+def lint(hlo_proto: bytes, sources: dict[str, str] | None = None, operators: frozenset[str] | None = None) -> list[str]:
     """What an HLO module has that neuronx-cc's CLI guide warns of, one line per finding,
     naming the FX node (from the op_name metadata that xla.lower scopes by node) and,
     with `sources` (node name -> source line), where it came from:
     dynamic dimensions, f64, 64-bit integers (the guide's --native-int64 and
-    --implicit-integer-downcast govern them), custom calls."""
+    --implicit-integer-downcast govern them), custom calls; with `operators` (from
+    `listed_operators()`, where neuronx-cc is installed), ops it does not list."""
     from jax._src.lib import xla_client  # jaxlib's HLO binding; jax exports it only under _src
 
     text = xla_client.XlaComputation(hlo_proto).get_hlo_module().to_string()
@@ -111,6 +144,8 @@ def lint(hlo_proto: bytes, sources: dict[str, str] | None = None) -> list[str]:
         if opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', line)
             what.append(f"custom call {target.group(1) if target else '?'}")
+        elif operators is not None and not _listed(opcode, operators):
+            what.append(f"{opcode}, which neuronx-cc list-operators does not list")
         if what:
             op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
             node = op_name.group(1) if op_name else "(no FX node)"
@@ -208,7 +243,7 @@ class NeuronBackend(Backend):
         (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
         fp8 = has_fp8(graph)
-        findings = lint(lowered.hlo_proto, lowered.sources)
+        findings = lint(lowered.hlo_proto, lowered.sources, listed_operators())
         cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
         # For people reading the bundle; --resume rebuilds the command from the typed flags.
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
