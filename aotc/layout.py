@@ -158,22 +158,6 @@ def graph_weights(module: nn.Module) -> list[GraphWeight]:
     return plain + derived
 
 
-def weight_values(module: nn.Module) -> list[torch.Tensor]:
-    """The graph's weight inputs for this instance, in order; derived ones are computed
-    (a copy: unlike a bind, the sources stay where they are)."""
-    tensors = weights_of(module)
-    stored = stored_of(module)
-
-    def read(path: str, part: str | None) -> torch.Tensor:
-        return (tensors[path] if part is None else stored[path].part(part)).detach()
-
-    with torch.no_grad():
-        return [
-            read(w.name, w.part) if w.transform is None else TRANSFORMS[w.transform].apply([read(s, w.part) for s in w.sources])
-            for w in graph_weights(module)
-        ]
-
-
 def dequantized(weights: list[GraphWeight], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """By weight name, the tensor the module's code reads: a stored weight dequantized
     from its two parts (in a graph: next to its use), any other as it is."""

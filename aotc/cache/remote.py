@@ -38,7 +38,6 @@ class RemoteCache:
         self.client = boto3.client("s3", config=config)
         self.errors: list[str] = []
         self.down = False
-        self.hits = 0
         self.stored = 0
 
     def _key(self, key: str, name: str) -> str:
@@ -78,7 +77,6 @@ class RemoteCache:
         except (BotoCoreError, ClientError, OSError) as e:
             self._failed(f"get {key}", e)
             return None
-        self.hits += 1
         return record
 
     def store(self, key: str, folder: Path, record: CompiledRecord) -> None:

@@ -229,14 +229,3 @@ class _Rewriter:
             q = self.call(aten.floor_divide.default, flat, s) if s != 1 else flat
             out.append(self.call(aten.remainder.Scalar, q, n))
         return out
-
-
-def count_view_writes(gm: fx.GraphModule) -> int:
-    """In-place writes whose target is a view chain on a placeholder (0 after the pass)."""
-    n = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and is_inplace_op(node.target):
-            root, views = alias_root(node.args[0])
-            n += root.op == "placeholder" and bool(views)
-    return n
-

@@ -7,10 +7,20 @@ import torch
 from torch import nn
 
 from aotc.errors import TraceError
-from aotc.passes.base import alias_root, written_args
-from aotc.passes.reslice_cache_views import ResliceCacheViews, count_view_writes
+from aotc.passes.base import alias_root, is_inplace_op, written_args
+from aotc.passes.reslice_cache_views import ResliceCacheViews
 
 aten = torch.ops.aten
+
+
+def count_view_writes(gm) -> int:
+    """In-place writes whose target is a view chain on a placeholder (0 after the pass)."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_inplace_op(node.target):
+            root, views = alias_root(node.args[0])
+            n += root.op == "placeholder" and bool(views)
+    return n
 
 
 def export(module, *args):

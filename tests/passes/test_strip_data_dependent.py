@@ -13,11 +13,27 @@ from aotc.models.tiny import write_tiny
 from aotc.passes import needs_static, pipeline_for
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears
 from aotc.passes.strip_data_dependent import StripDataDependent, has_unbacked
-from aotc.layout import weight_values
+from aotc.layout import TRANSFORMS, graph_weights, stored_of, weights_of
 from aotc.trace import Shapes, find_variants, trace
 
 aten = torch.ops.aten
 DATA_DEPENDENT = {aten.nonzero.default, aten.nonzero_numpy.default, aten.item.default, aten._local_scalar_dense.default}
+
+
+def weight_values(module: nn.Module) -> list[torch.Tensor]:
+    """The graph's weight inputs for this instance, in order; derived ones are computed
+    (a copy: unlike a bind, the sources stay where they are)."""
+    tensors = weights_of(module)
+    stored = stored_of(module)
+
+    def read(path: str, part: str | None) -> torch.Tensor:
+        return (tensors[path] if part is None else stored[path].part(part)).detach()
+
+    with torch.no_grad():
+        return [
+            read(w.name, w.part) if w.transform is None else TRANSFORMS[w.transform].apply([read(s, w.part) for s in w.sources])
+            for w in graph_weights(module)
+        ]
 
 
 def export(module, *args):
