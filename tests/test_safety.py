@@ -304,9 +304,11 @@ def test_cache_records_and_recipes_never_lead_outside(model, tmp_path):
     data = json.loads(record.read_text())
     data["files"] = {"../../../../outside.txt": next(iter(data["files"].values()))}
     record.write_text(json.dumps(data))
-    with pytest.raises(AotcError, match="is not a file name"):
-        build(BuildOptions(model, out=tmp_path / "c", cache_dir=cache, use_cache=True, **OPTIONS))
+    # A record that leads outside is a corrupt entry: never followed, reported, compiled again.
+    result = build(BuildOptions(model, out=tmp_path / "c", cache_dir=cache, use_cache=True, **OPTIONS))
+    assert any("is not a file name" in note and "compiled again" in note for note in result.cache_notes), result.cache_notes
     assert not (tmp_path / "outside.txt").exists()
+    assert Bundle.load(result.out)  # and the bundle is whole
 
 
 def test_model_folder_may_be_a_symlink(model, tmp_path):
