@@ -320,7 +320,8 @@ def test_the_corpus_is_large():
     (["build", "{model}", "--buckets", "1,1", "-o", "{root}/out"], "--buckets '1,1': 1 given more than once"),
     (["run", "{model}", "--max-new-tokens", "2"], "manifest.json"),
     (["cache", "ls", "--cache-dir", "{model}/config.json"], "is a file, not a cache folder"),
-], ids=["build", "run", "cache"])
+    (["run", "{model}", "--eager", "--max-new-tokens", "2", "--prompt", b"\xff\xfe"], "--prompt number 1 is not valid UTF-8 text"),
+], ids=["build", "run", "cache", "prompt-bytes"])
 def test_bad_input_in_a_real_process(argv, message, templates, tmp_path):
     """The exit status and stderr a shell script sees: 2, one line, no traceback."""
     import subprocess
@@ -329,7 +330,7 @@ def test_bad_input_in_a_real_process(argv, message, templates, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(templates[0], model)
     before = tree(tmp_path)
-    argv = [a.format(model=model, root=tmp_path) for a in argv]
+    argv = [a.format(model=model, root=tmp_path) if isinstance(a, str) else a for a in argv]  # bytes: as a shell passes them
     r = subprocess.run([sys.executable, "-m", "aotc.cli", *argv], capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "400"})
     assert r.returncode == 2 and message in " ".join(r.stderr.split()) and "Traceback" not in r.stderr + r.stdout, r.stderr
     assert tree(tmp_path) == before
