@@ -45,6 +45,7 @@ class Attempt:
     failed: bool
     code: str | None  # the NCC error code, when failed
     folder: str
+    command: list[str]  # run in `folder`
 
 
 @dataclass
@@ -116,7 +117,7 @@ def bisect(
         if argv0:
             cmd = argv0 + cmd[1:]
         code = _compile(cmd, folder)
-        a = attempts[start, end] = Attempt(start, end, code is not None, code, str(folder))
+        a = attempts[start, end] = Attempt(start, end, code is not None, code, str(folder), cmd)
         say(f"compile {len(attempts)}: nodes {start}..{end - 1} of {len(units)}: {'fails with ' + code if code else 'passes'}")
         return a
 
@@ -138,13 +139,10 @@ def bisect(
     minimal = attempt(start, end)
     nodes = [n for unit in units[start:end] for n in unit]
     folder = Path(minimal.folder)
-    cmd = compiler_command(options, HLO, NEFF, _takes_fp8(_subgraph(gm, units[start:end])))
-    if argv0:
-        cmd = argv0 + cmd[1:]
     return BisectResult(
         entry_id, bucket, code,
         [f"{n.name} = {n.target}" for n in nodes], [source_line(n) for n in nodes],
-        str(folder / HLO), str(folder / LOG), f"cd {shlex.quote(str(folder))} && {shlex.join(cmd)}",
+        str(folder / HLO), str(folder / LOG), f"cd {shlex.quote(str(folder))} && {shlex.join(minimal.command)}",
         len(attempts), len(units), str(work), sorted(attempts.values(), key=lambda a: (a.start, -a.end)),
     )  # fmt: skip
 

@@ -193,11 +193,7 @@ def build(
             f"Each has its HLO and command.txt; on a host with the Neuron SDK run: aotc build --resume {result.out}",
             highlight=False,
         )
-    lint = sorted({f for a in result.artifacts for f in getattr(a.record.extra, "lint", [])})
-    for finding in lint[:10]:
-        console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
-    if len(lint) > 10:
-        console.print(f"[yellow]neuron lint:[/] {len(lint) - 10} more (aotc verify {result.out} --json lists them)", highlight=False)
+    _print_lint([f for a in result.artifacts for f in getattr(a.record.extra, "lint", [])], f"aotc verify {result.out} --json")
     for note in result.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)
     for note in result.cache_notes:
@@ -317,11 +313,11 @@ def run(
         else:
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
             model_dir = model or Path(b.manifest.model.source)
-            _check_memory(model_dir, b)
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager.
             loaded = load_model(model_dir, stored=True if check else b.stored_params())
             b.check_model(loaded)
+            _check_memory(loaded.model, b)  # before generate allocates the caches
             loaded.model.to(b.device)
             tokenizer = _tokenizer(model_dir)
             prompts = _encode(tokenizer, prompt)
@@ -351,7 +347,7 @@ def run(
 def verify(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."),
-    strict: bool = typer.Option(False, "--strict", help="Also fail on neuron lint findings (dynamic dimensions, f64, 64-bit integers, custom calls in the HLO)."),
+    strict: bool = typer.Option(False, "--strict", help="Also fail on neuron lint findings: dynamic dimensions, f64, 64-bit integers, custom calls in the HLO, and ops that neuronx-cc list-operators does not list (where it is installed)."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ):
@@ -384,11 +380,7 @@ def verify(
         for a in report.artifacts:
             for problem in a.problems:
                 console.print(f"[red]{a.entry} bucket {a.bucket}:[/] {problem}", highlight=False)
-        lint = sorted({finding for a in report.artifacts for finding in a.lint})
-        for finding in lint[:20]:
-            console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
-        if len(lint) > 20:
-            console.print(f"[yellow]neuron lint:[/] {len(lint) - 20} more (--json lists them)")
+        lint = _print_lint([f for a in report.artifacts for f in a.lint], "--json")
         failed = sum(not a.passed for a in report.artifacts)
         console.print(f"{len(report.artifacts) - failed} of {len(report.artifacts)} artifacts match eager" + (f"; {len(lint)} lint findings" if lint else ""))
     if not report.passed:
@@ -461,11 +453,21 @@ def inspect(
     console.print(table)
 
 
-def _check_memory(model_dir: Path, b) -> None:
-    """Refuse before allocating what would not fit (a bundle built for a larger host)."""
-    from .models.base import load_model, memory_shortfall
+def _print_lint(findings: list[str], more: str, limit: int = 10) -> list[str]:
+    """Neuron lint findings as warnings, each once, the first `limit` of them."""
+    lint = sorted(set(findings))
+    for finding in lint[:limit]:
+        console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
+    if len(lint) > limit:
+        console.print(f"[yellow]neuron lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
+    return lint
 
-    short = memory_shortfall(load_model(model_dir, weights=False).model, b.cache_slots, b.max_seq)
+
+def _check_memory(model, b) -> None:
+    """Refuse before allocating caches that would not fit (a bundle built for a larger host)."""
+    from .models.base import memory_shortfall
+
+    short = memory_shortfall(model, b.cache_slots, b.max_seq)
     if short:
         raise AotcError(
             f"{b.dir} cannot run here: {short}. Rebuild it with a smaller --max-seq or fewer/smaller --buckets "

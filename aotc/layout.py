@@ -102,6 +102,15 @@ def keep_stored(model: nn.Module, path: str, stored: Stored) -> None:
     _STORED.setdefault(model.get_submodule(owner), {})[leaf] = stored
 
 
+def stored_at(module: nn.Module, path: str) -> Stored | None:
+    """The stored form of the tensor at `path` in `module`, if it has one."""
+    owner, _, leaf = path.rpartition(".")
+    try:
+        return _STORED.get(module.get_submodule(owner), {}).get(leaf)
+    except AttributeError:  # no such submodule: nothing stored there
+        return None
+
+
 def stored_of(module: nn.Module) -> dict[str, Stored]:
     """The stored forms of the module's tensors, by path inside it."""
     out = {}

@@ -9,8 +9,8 @@ unchanged whether the entries are eager or bound to a bundle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Container
 
@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from .. import quant
 from ..errors import ConfigError, WeightsError
 from ..layout import Stored, keep_stored
-from .checkpoint import Checkpoint, stored_form, stored_tensors
+from .checkpoint import Checkpoint, as_stored, stored_dtype, stored_form
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
 
@@ -156,21 +156,14 @@ def load_model(model_dir: Path | str, *, weights: bool = True, stored: bool | Co
                 scale = checkpoint.info(form.scale)
                 keep_stored(model, param, Stored(
                     form.format,
-                    torch.empty(quant.stored_shape(form.format, expected[param].shape), dtype=_stored_dtype(values.dtype)),
-                    torch.empty(scale.shape, dtype=_stored_dtype(scale.dtype)),
+                    torch.empty(quant.stored_shape(form.format, expected[param].shape), dtype=stored_dtype(values.dtype)),
+                    torch.empty(scale.shape, dtype=stored_dtype(scale.dtype)),
                 ))  # fmt: skip
         return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
     with torch.device("meta"), _SkipInit():
         model = arch.model_class(config)
     _load_weights(model, checkpoint, stored)
     return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
-
-
-def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a stored tensor has in graphs (checkpoint.stored_tensors)."""
-    if dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
-        return torch.uint8
-    return dtype if dtype == torch.float8_e4m3fn else torch.float32
 
 
 class _SkipInit(TorchFunctionMode):
@@ -234,7 +227,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
     for param, p in expected.items():
         form = forms.get(param)
         if form is not None:
-            values, scale = stored_tensors(form, tensors[form.values], tensors[form.scale])
+            values, scale = as_stored(tensors[form.values]), as_stored(tensors[form.scale])
             keep = stored if isinstance(stored, bool) else param in stored
             if keep:
                 keep_stored(model, param, Stored(form.format, values, scale))
@@ -245,10 +238,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
             else:
                 state[param] = quant.dequantize(form.format, values, scale, p.dtype)
             continue
-        t = tensors[names[param]]
-        if t.dtype.is_floating_point != p.dtype.is_floating_point:
-            raise WeightsError(f"{checkpoint.dir}: tensor {names[param]!r} has dtype {t.dtype}, expected a {p.dtype}-compatible dtype")
-        state[param] = t.to(p.dtype)
+        state[param] = tensors[names[param]].to(p.dtype)  # dtype kinds checked from the headers
     for param, source in model.tied_parameters().items():
         state[param] = state[source]
     model.load_state_dict(state, strict=True, assign=True)

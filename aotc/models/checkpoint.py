@@ -157,13 +157,19 @@ def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> St
     return StoredInfo(fmt, name, scale)
 
 
-def stored_tensors(stored: StoredInfo, values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loaded tensors as graphs take them: packed fp4 and E8M0 exponents as uint8
-    (the same bytes), fp8 as float8_e4m3fn, other scales as float32."""
-    if values.dtype in (torch.int8, torch.float4_e2m1fn_x2):
-        values = values.view(torch.uint8)
-    if scale.dtype == torch.float8_e8m0fnu:
-        scale = scale.view(torch.uint8)
-    elif scale.dtype != torch.uint8:
-        scale = scale.float()
-    return values, scale
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a stored tensor has in graphs: packed fp4, int8 bytes and E8M0 exponents
+    as uint8 (the same bytes: every backend has uint8), fp8 as float8_e4m3fn, other
+    scales as float32."""
+    if dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu):
+        return torch.uint8
+    return dtype if dtype == torch.float8_e4m3fn else torch.float32
+
+
+def as_stored(t: torch.Tensor) -> torch.Tensor:
+    """A loaded values or scale tensor in its graph dtype: the same bytes reinterpreted
+    where the sizes agree, else converted (bf16 scales)."""
+    dtype = stored_dtype(t.dtype)
+    if t.dtype == dtype:
+        return t
+    return t.view(dtype) if t.dtype.itemsize == dtype.itemsize else t.to(dtype)

@@ -20,7 +20,7 @@ from ..backends import Runner, get_backend
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
-from ..layout import TRANSFORMS, Stored, keep_stored, stored_of
+from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
@@ -222,7 +222,7 @@ def _tensor(instance: nn.Module, path: str, name: str, bundle: Path) -> torch.Te
 def _stored(instance: nn.Module, path: str, name: str, spec: WeightSpec, bundle: Path) -> Stored:
     """The stored form of `name`, rescaled for the target's fp8 reading once (the model
     keeps the rescaled tensors in place of the checkpoint's: memory is not doubled)."""
-    stored = stored_of(instance).get(name)
+    stored = stored_at(instance, name)
     if stored is None or stored.format != spec.stored.format:
         raise BundleError(
             f"{bundle}: {path}.{name} is a graph input stored as {spec.stored.format}, but the model has it "
