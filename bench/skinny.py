@@ -7,6 +7,12 @@ A decode step multiplies a few rows by every weight. For 16 fp32 weights of
 torch.compile (Inductor, the backend aotc uses), this times `F.linear` and
 the form the pass rewrites it to at 1, 2, 4 and 8 rows, and reports the
 weight bytes read per second.
+
+Then the same weights at 1 row stored as fp8 with a scale per 128 x 128 block
+(aotc.quant): decoded by the fp8 -> float32 conversion (what the export and
+xla graphs run), and by moving bits (what aotc/passes/decode_fp8_bits.py makes
+of that conversion on the CPU), against fp32. Bytes per second count the bytes
+stored (1 per fp8 weight, 4 per fp32 one).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ sys.path.insert(0, str(HERE))
 
 from perf import console, table, timeit  # noqa: E402
 
+from aotc import quant  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
+from aotc.passes.decode_fp8_bits import MASK  # noqa: E402
 from aotc.passes.rewrite_skinny_linears import CHUNK  # noqa: E402
 
 
@@ -35,6 +43,44 @@ def rewritten(x, weights):
     if x.shape[0] == 1:
         return [(w * x).sum(-1)[None] for w in weights]
     return [torch.cat([(w @ x[i : i + CHUNK].T).T for i in range(0, x.shape[0], CHUNK)]) for w in weights]
+
+
+def fp8_converted(x, stored):
+    return [(quant.dequantize("fp8", q, s, torch.float32) * x).sum(-1)[None] for q, s in stored]
+
+
+def _bits(q):
+    """The ops decode_fp8_bits puts in place of q.to(float32)."""
+    i = q.view(torch.int8).to(torch.int32)
+    return ((i << 20) & MASK).view(torch.float32) * 2.0**120
+
+
+def fp8_bits(x, stored):
+    return [((_bits(q) * quant._expand(quant.scale_factors(s), *q.shape, quant.FP8_BLOCK)) * x).sum(-1)[None] for q, s in stored]
+
+
+def bench_fp8(weights, g) -> list[dict]:
+    stored = [quant.quantize_fp8_blocks(w) for w in weights]
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    fp8_bytes = sum(q.numel() + s.numel() * 4 for q, s in stored)
+    x = torch.randn(1, weights[0].shape[1], generator=g)
+    reference = fp8_converted(x, stored)[0]
+    rows = []
+    for name, fn, args, nbytes in (
+        ("fp32, mul + sum", rewritten, weights, fp32_bytes),
+        ("fp8, converted", fp8_converted, stored, fp8_bytes),
+        ("fp8, bits moved (decode_fp8_bits)", fp8_bits, stored, fp8_bytes),
+    ):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        if name.startswith("fp8"):  # both fp8 forms give the same floats
+            torch.testing.assert_close(compiled(x, args)[0], reference, atol=1e-4, rtol=1e-4)
+        seconds = timeit(lambda: compiled(x, args), min_time=1.0)
+        rows.append({"weights": name, "ms": seconds * 1e3, "MB stored": nbytes / 1e6, "GB/s": nbytes / seconds / 1e9})
+        torch._dynamo.reset()
+    for r in rows:
+        r["fp32 ms / this"] = rows[0]["ms"] / r["ms"]
+    table("1 row, the same 16 weights stored as fp8 (a scale per 128x128 block), compiled by Inductor", rows)
+    return rows
 
 
 def main() -> None:
@@ -56,8 +102,9 @@ def main() -> None:
         row["speedup"] = row["aotc rewrite GB/s"] / row["linear GB/s"]
         rows.append(row)
     table(f"16 fp32 weights of 2816x1024 ({nbytes / 1e6:.0f} MB), compiled by Inductor", rows)
+    fp8_rows = bench_fp8(weights, g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"weights_MB": nbytes / 1e6, "rows": rows}))
+    write_atomic(args.out, encode({"weights_MB": nbytes / 1e6, "rows": rows, "fp8_1_row": fp8_rows}))
     console.print(f"wrote {args.out}")
 
 

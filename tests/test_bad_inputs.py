@@ -164,6 +164,7 @@ CASES = [
     Case("weight-missing", "model", lambda e: build(tensors(e, lambda t: t.pop(W))), W),
     Case("fp8-weight-without-scale", "model", lambda e: build(tensors(e, lambda t: t.update({W: t[W].to(torch.float8_e4m3fn)}))), "low-precision weights need their block scales"),
     Case("fp8-scale-wrong-shape", "model", lambda e: build(tensors(e, lambda t: t.update({W: t[W].to(torch.float8_e4m3fn), f"{W}_scale_inv": torch.ones(7, 7)}))), "one scale per 128x128 block"),
+    Case("fp8-scale-wrong-dtype", "model", lambda e: build(tensors(e, lambda t: t.update({W: t[W].to(torch.float8_e4m3fn), f"{W}_scale_inv": torch.ones(6, 2, dtype=torch.int32)}))), "block scales are F32, BF16 or E8M0"),
     Case("fp8-e5m2-weight", "model", lambda e: build(tensors(e, lambda t: t.update({W: t[W].to(torch.float8_e5m2), f"{W}_scale_inv": torch.ones(6, 2)}))), "float8_e5m2"),
     Case("index-json-corrupt", "model", lambda e: build(e) if write(e.model / "model.safetensors.index.json", "{oops") else None, "model.safetensors.index.json"),
     Case("index-names-missing-shard", "model", lambda e: build(e) if write(e.model / "model.safetensors.index.json", json.dumps({"weight_map": {W: "model-00002-of-00002.safetensors"}})) else None, "model-00002-of-00002.safetensors"),
@@ -192,6 +193,7 @@ CASES = [
     Case("backend-unknown-in-manifest", "bundle", lambda e: run(manifest(e, lambda m: m["backend"].update(name="tpu"))), "tpu"),
     Case("plugin-named-by-bundle", "bundle", lambda e: run(manifest(e, lambda m: m.update(plugins=["evil_module"]))), "--plugin evil_module"),
     Case("instance-not-in-model", "bundle", lambda e: run(manifest(e, lambda m: m["entries"][0].update(instances=["model.layers.99"]))), "model.layers.99"),
+    Case("weight-stored-dtype-edited", "bundle", lambda e: run(_stored_bundle(e, lambda w: w["stored"].update(dtype="float16"))), "dequantizes to float16 in the graphs, but the model's is float32"),
     Case("cache-slots-edited", "bundle", lambda e: run(manifest(e, lambda m: m["shapes"].update(cache_slots="two"))), "cache_slots"),
     # -- cache -----------------------------------------------------------------------------
     Case("cache-ls-on-a-file", "cache", lambda e: ["cache", "ls", "--cache-dir", write(e.root / "c", "x")], "is a file, not a cache folder"),
@@ -216,6 +218,18 @@ CASES = [
     Case("program-not-a-zip-hashes-fixed", "tampering", lambda e: run(e) if write(artifact_file(e), b"PK-not-a-zip") and rehash(e.bundle) is None else None, "program.pt2"),
     Case("manifest-files-listed-outside", "tampering", lambda e: run(manifest(e, lambda m: m["entries"][0]["artifacts"][0]["files"].update({"../manifest.json": "0" * 64}))), "manifest.json"),
 ]
+
+
+def _stored_bundle(env: Env, change) -> Env:
+    """The case's model quantized to fp8 and an export bundle of it, then `change` applied
+    to each of its stored weight records."""
+    from aotc.build import BuildOptions, build as do_build
+    from aotc.models.tiny import write_tiny
+
+    write_tiny(env.model, layers=2, quantize="fp8", force=True)
+    shutil.rmtree(env.bundle)
+    do_build(BuildOptions(env.model, out=env.bundle, batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", use_cache=False))
+    return manifest(env, lambda m: [change(w) for e in m["entries"] for w in e["weights"] if w["stored"]])
 
 
 def _interrupt(*args, **kwargs):
