@@ -24,6 +24,56 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def near_tie_dir(tmp_path_factory):
+    """tiny_dir with its LM head drawn as transformers initialises one (std 0.02): the
+    top two logits come within 1e-2 of each other in about one step of ten. The other
+    weights equal tiny_dir's, so every bundle built for tiny_dir runs it."""
+    return write_tiny(tmp_path_factory.mktemp("models") / "near-ties", layers=2, head_std=0.02)
+
+
+# Compiled against eager, fp32 logits of the tiny models (default head, 24 tokens, batch 1
+# and 3): measured within 1.0e-5 on export, 2.0e-5 on inductor (other row counts and
+# vector widths) and 2.0e-5 on xla (another summation order); 5x that is allowed.
+LOGIT_ATOL = {"export": 5e-5, "inductor": 1e-4, "xla": 1e-4, "neuron": 1e-4}
+
+
+def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24):
+    """Generation through the bundle against eager on the same checkpoint, at batch 1
+    and at batch 3 (padded, the 30-token prompt in two chunks): logits within
+    LOGIT_ATOL, tokens equal up to a near-tie (eager's top-2 gap within LOGIT_ATOL).
+    Returns eager's smallest top-2 gap over the steps compared."""
+    from aotc.models.base import load_model
+    from aotc.runtime import Bundle, compare, generate
+
+    bundle = Bundle.load(bundle_dir)
+    loaded = load_model(model_dir)
+    bundle.check_model(loaded)
+    atol = LOGIT_ATOL[bundle.manifest.backend.name]
+    g = torch.Generator().manual_seed(0)
+    smallest_gap = float("inf")
+    for lengths in ((9,), (5, 30, 21)):
+        prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+        kw = dict(max_batch=min(len(prompts), bundle.max_batch), max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+        bundle.bind(loaded.model)
+        got = generate(loaded.model, prompts, new_tokens, **kw)
+        Bundle.unbind(loaded.model)
+        ref = generate(loaded.model, prompts, new_tokens, **kw)
+        report = compare(got, ref, atol)
+        assert report.passed, [(p.matching_tokens, p.max_logit_diff, p.near_tie_gap) for p in report.per_prompt]
+        for p, r in zip(report.per_prompt, ref.sequences):
+            top2 = torch.stack(r.logits[: p.matching_tokens + 1]).topk(2).values
+            smallest_gap = min(smallest_gap, (top2[:, 0] - top2[:, 1]).min().item())
+    return smallest_gap
+
+
+def assert_check_report(report: dict, backend: str) -> None:
+    """An `aotc run --check --json` report: every token equal, logits within LOGIT_ATOL."""
+    c = report["check"]
+    assert c["tokens_equal"], c["per_prompt"]
+    assert c["max_logit_diff"] <= LOGIT_ATOL[backend], c["max_logit_diff"]
+
+
+@pytest.fixture(scope="session")
 def tiny_bundle(tiny_dir, tmp_path_factory):
     """An export-backend bundle of tiny_dir: batch buckets 1,2,4, prefill chunk 16 and 64."""
     out = tmp_path_factory.mktemp("bundles") / "tiny"

@@ -97,14 +97,48 @@ def aotc(*args, env=None, check=True):
     return subprocess.run([sys.executable, "-m", "aotc.cli", *map(str, args)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", **(env or {})}, check=check)
 
 
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of a process, in clock ticks (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_until_all_idle(procs, timeout=240.0) -> None:
+    """Until every process has done its start-up work and then sits idle for a second:
+    a build idles only while it waits on a cache lock."""
+    deadline = time.time() + timeout
+    before = [cpu_ticks(p.pid) for p in procs]
+    while time.time() < deadline:
+        time.sleep(1.0)
+        assert all(p.poll() is None for p in procs), "a build finished while every key's lock was held"
+        now = [cpu_ticks(p.pid) for p in procs]
+        if all(n - b <= 3 and n > 100 for n, b in zip(now, before)):
+            return
+        before = now
+    raise AssertionError("the builds never all waited on the locks")
+
+
 def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
+    """The two builds provably overlap: the test holds every key's lock until both
+    wait on it, then lets go. Each entry is then compiled by exactly one of them."""
     cache = tmp_path / "cache"
+    options = dict(batch_buckets=(1, 2, 4, 8), chunk_buckets=(16, 32), max_seq=64, backend="export")
     args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
-    procs = [subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args), "-o", tmp_path / f"b{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}) for i in range(2)]
+    held = [LocalCache(cache).lock(key) for key in sorted({k for _, _, k in build_keys(BuildOptions(tiny_dir, **options))})]
+    assert len(held) == 10  # 4 decode + 2 prefill + 4 head
+    for lock in held:
+        lock.acquire()
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args), "-o", tmp_path / f"b{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}) for i in range(2)]
+        wait_until_all_idle(procs)
+    finally:
+        for lock in held:
+            lock.release()
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     compiled = [int(re.search(r"(\d+) misses compiled", out).group(1)) for out, _ in outs]
-    assert sum(compiled) == 10  # 4 decode + 2 prefill + 4 head, each compiled by one of the two
+    hits = [int(re.search(r"cache: (\d+) hits", out).group(1)) for out, _ in outs]
+    assert sum(compiled) == 10 and [c + h for c, h in zip(compiled, hits)] == [10, 10], outs
     assert len(LocalCache(cache).entries()) == 10
 
 

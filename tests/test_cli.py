@@ -62,7 +62,10 @@ def test_run_check_json(built, prompts):
         assert len(p["new_ids"]) == c["tokens"] and p["new_ids"] == c["eager_new_ids"]
         assert isinstance(p["text"], str) and p["prompt_ids"]
     assert report["check"]["max_logit_diff"] < 1e-3
-    assert report["timings"]["decode_tokens_per_s"] > 0
+    t = report["timings"]  # decode tokens/s: the tokens after each prompt's first, over the decode time
+    decoded = sum(len(p["new_ids"]) - 1 for p in report["prompts"])
+    assert t["decode_steps"] == 7 and t["decode_tokens_per_s"] == pytest.approx(decoded / t["decode_s"], rel=0.02)
+    assert t["prefill_tokens"] == sum(len(p["prompt_ids"]) for p in report["prompts"])
     if len(prompts) > 1:
         assert len(report["prompts"][2]["prompt_ids"]) > 64
 

@@ -21,7 +21,7 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
-from .conftest import swapped_copy
+from .conftest import assert_check_report, assert_generation_matches_eager, swapped_copy
 
 pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 
@@ -85,6 +85,11 @@ def test_generation_token_exact(inductor_bundles, tiny_dir, lengths):
         torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
 
 
+def test_near_ties_match_eager_up_to_the_tie(inductor_bundles, near_tie_dir):
+    """A head drawn at transformers' scale: top logits within 1e-2 of each other."""
+    assert assert_generation_matches_eager(inductor_bundles[0].out, near_tie_dir) < 1e-2
+
+
 def test_cache_is_written_in_place_and_padding_goes_to_scratch(inductor_bundles, tiny_dir):
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(inductor_bundles[0].out)
@@ -127,7 +132,7 @@ def test_bundle_runs_with_new_weights(inductor_bundles, tiny_dir, tmp_path):
     result = runner.invoke(app, args + ["--model", str(new)])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["check"]["tokens_equal"]
+    assert_check_report(report, "inductor")
     assert report["prompts"][0]["new_ids"] != old["prompts"][0]["new_ids"]
 
 
@@ -198,4 +203,4 @@ def test_qwen2_and_mistral_token_exact(arch, tmp_path):
     for max_batch in ("1", "3"):
         r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-batch", max_batch, "--max-new-tokens", "16"])
         assert r.exit_code == 0, r.output
-        assert json.loads(r.output)["check"]["tokens_equal"]
+        assert_check_report(json.loads(r.output), "inductor")

@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 
 from aotc.cli import app
 
+from .conftest import assert_check_report
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "plugin"
 runner = CliRunner()
 
@@ -38,7 +40,7 @@ def test_example_plugin_builds_and_runs(on_path):
     assert r.exit_code == 2 and "pass --plugin tinygpt.model" in " ".join(r.output.split()), r.output
     r = invoke("run", bundle, "--plugin", "tinygpt.model", "--check", "--json", "--max-new-tokens", 8, "--prompt", "Hello", "--prompt", "the quick brown fox jumps over the lazy dog, twice over")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["check"]["tokens_equal"]
+    assert_check_report(json.loads(r.output), "export")
 
 
 def write_module(folder: Path, name: str, text: str) -> str:

@@ -96,8 +96,10 @@ class CausalLM(nn.Module):
         """A small config.json dict with Hugging Face field names."""
         raise NotImplementedError
 
-    def init_random(self, generator: torch.Generator) -> None:
-        """Random weights whose greedy argmax is well separated (no near-ties)."""
+    def init_random(self, generator: torch.Generator, *, head_std: float | None = None) -> None:
+        """Random weights. head_std=None draws the LM head wide enough that the top two
+        logits are far apart compared to float rounding (no near-ties). A number is the
+        head's std: 0.02, transformers' default initializer_range, leaves near-ties."""
         raise NotImplementedError
 
 

@@ -800,7 +800,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             "eos_token_id": 2,
         }
 
-    def init_random(self, generator):
+    def init_random(self, generator, *, head_std=None):
         c = self.config
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -811,7 +811,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             elif name.endswith(("_scale", "hc_scale")):
                 p.data = 1 + 0.1 * torch.randn(p.shape, generator=generator)
             elif name == "final.head.weight":
-                p.data = 4 / math.sqrt(c.hidden_size) * torch.randn(p.shape, generator=generator)
+                p.data = (head_std or 4 / math.sqrt(c.hidden_size)) * torch.randn(p.shape, generator=generator)
             else:
                 p.data = torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1])
             p.data = p.data.to(p.dtype if p.dtype == torch.float32 else c.dtype)

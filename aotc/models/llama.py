@@ -400,7 +400,7 @@ class LlamaForCausalLM(CausalLM):
             config.update(sliding_window=48)
         return config
 
-    def init_random(self, generator):
+    def init_random(self, generator, *, head_std=None):
         h = self.config.hidden_size
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -408,9 +408,8 @@ class LlamaForCausalLM(CausalLM):
             elif name.endswith("bias"):
                 p.data = 0.1 * torch.randn(p.shape, generator=generator)
             else:
-                # Unit-scale activations, and an LM head wide enough that the
-                # top two logits are far apart compared to float rounding.
-                std = 4 / math.sqrt(h) if name == "head.lm_head.weight" else 1 / math.sqrt(p.shape[-1])
+                # Unit-scale activations; the head's std sets how far apart the top logits are.
+                std = (head_std or 4 / math.sqrt(h)) if name == "head.lm_head.weight" else 1 / math.sqrt(p.shape[-1])
                 p.data = std * torch.randn(p.shape, generator=generator)
             p.data = p.data.to(self.config.dtype)
 

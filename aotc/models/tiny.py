@@ -55,11 +55,11 @@ LAYOUTS = ("hf", "deepseek")
 
 def write_tiny(
     out: Path, *, arch: str = DEFAULT_ARCH, layers: int = DEFAULT_LAYERS, seed: int = DEFAULT_SEED, force: bool = False,
-    quantize: str = "none", layout: str = "hf", **overrides,
+    quantize: str = "none", layout: str = "hf", head_std: float | None = None, **overrides,
 ) -> Path:  # fmt: skip
     """Write a random model folder; `overrides` change config.json fields (e.g. hidden_size).
-    A folder that is not empty is replaced only with force=True. `quantize` and `layout`:
-    see write_model."""
+    A folder that is not empty is replaced only with force=True. `quantize`, `layout` and
+    `head_std`: see write_model."""
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty folder; aotc init tiny writes a new model folder. Choose another path, or pass --force to replace it")
@@ -67,17 +67,22 @@ def write_tiny(
     tokenizer = make_tokenizer()
     config = architecture.model_class.tiny_config(layers=layers, vocab_size=tokenizer.get_vocab_size(), variant=arch)
     config.update(overrides)
-    return write_model(out, config, tokenizer, seed=seed, quantize=quantize, layout=layout)
+    return write_model(out, config, tokenizer, seed=seed, quantize=quantize, layout=layout, head_std=head_std)
 
 
-def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED, quantize: str = "none", layout: str = "hf") -> Path:
+def write_model(
+    out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED, quantize: str = "none", layout: str = "hf",
+    head_std: float | None = None,
+) -> Path:  # fmt: skip
     """Write config.json, tokenizer.json and random weights into `out`, atomically.
 
     quantize="fp8": the decoder layers' linear weights as float8_e4m3fn with a scale
     per 128 x 128 block, as DeepSeek publishes them; "fp4-experts": the routed
     experts' as packed fp4 with an E8M0 scale per 32 inputs, the rest fp8 (DeepSeek
     V4). layout="hf": Hugging Face names, float32 `weight_scale_inv`; "deepseek":
-    DeepSeek's own names, E8M0 `.scale`.
+    DeepSeek's own names, E8M0 `.scale`. head_std=0.02 draws the LM head as transformers
+    initialises it, so that the top two logits are often close (near-ties); by default
+    each model separates them (CausalLM.init_random).
     """
     if quantize not in QUANTIZE:
         raise ConfigError(f"--quantize {quantize}: expected one of {', '.join(QUANTIZE)}")
@@ -91,7 +96,7 @@ def write_model(out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DE
         tokenizer.save(str(tmp / "tokenizer.json"))
         _, arch, parsed = parse_config(tmp)
         model = arch.model_class(parsed)
-        model.init_random(torch.Generator().manual_seed(seed))
+        model.init_random(torch.Generator().manual_seed(seed), **({} if head_std is None else {"head_std": head_std}))
         tensors = _checkpoint(model, quantize, layout)
         if quantize != "none":
             config = dict(config, quantization_config={

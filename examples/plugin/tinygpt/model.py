@@ -163,12 +163,14 @@ class TinyGPTForCausalLM(aotc.CausalLM):
         return {"architectures": ["TinyGPTForCausalLM"], "model_type": "tinygpt", "vocab_size": vocab_size,
                 "n_embd": 128, "n_layer": layers, "n_head": 4, "n_positions": 1024, "layer_norm_epsilon": 1e-5}  # fmt: skip
 
-    def init_random(self, generator):
+    def init_random(self, generator, *, head_std=None):
         for name, p in self.named_parameters():
             if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.data = torch.ones_like(p)
             elif name.endswith("bias"):
                 p.data = 0.02 * torch.randn(p.shape, generator=generator)
             else:
-                scale = 3.0 if name == "head.lm_head.weight" else 1.0
-                p.data = scale * torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1])
+                std = 1 / math.sqrt(p.shape[-1])
+                if name == "head.lm_head.weight":
+                    std = head_std or 3 * std  # wide enough that the top logits are far apart
+                p.data = std * torch.randn(p.shape, generator=generator)

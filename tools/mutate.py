@@ -1,0 +1,179 @@
+"""Mutation testing: how many deliberately broken copies of a module the tests catch.
+
+    python tools/mutate.py                      # every target, every mutant
+    python tools/mutate.py aotc/fp8.py --sample 60 --json /tmp/mutation.json
+
+cosmic-ray writes each mutant into the module's file and runs the target's
+tests. It runs on a copy of the working tree (tracked and untracked files, not
+ignored ones), with PYTHONPATH pointing there, so the tests that run `aotc` in a
+subprocess import the mutant too and the checkout is never touched.
+
+A survivor is a change to the code that no test noticed: either a missing
+check, or a mutant that cannot change behaviour (say, `x * 1` turned into
+`x / 1`). Read the diffs it prints. Needs the dev extra: pip install -e '.[dev]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Each module with the pytest arguments that select the tests guarding it. The
+# first listed run first, and `pytest -x` stops at the first failure, so most
+# mutants die within seconds; a survivor costs a whole run of its selection.
+TARGETS = {
+    "aotc/runtime/dispatch.py": ["tests/test_runtime.py"],
+    "aotc/passes/reslice_cache_views.py": ["tests/passes/test_reslice_cache_views.py", "tests/test_trace.py"],
+    "aotc/cache/local.py": ["tests/test_cache.py", "tests/test_safety.py"],
+    "aotc/cache/keys.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
+    "aotc/cache/recipes.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
+    "aotc/cache/remote.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
+    "aotc/fp8.py": ["tests/test_fp8.py", "tests/test_neuron.py"],
+}
+
+# cosmic-ray replaces each binary and comparison operator with every other one
+# (12 mutants per `+`). One replacement per operator keeps the run to hours,
+# not days: the negation or the boundary shift, which a missing check lets through.
+KEPT_SWAPS = {
+    "ReplaceBinaryOperator": {
+        ("Add", "Sub"), ("Sub", "Add"), ("Mul", "Div"), ("Div", "Mul"), ("FloorDiv", "Mul"), ("Mod", "FloorDiv"),
+        ("Pow", "Mul"), ("LShift", "RShift"), ("RShift", "LShift"), ("BitAnd", "BitOr"), ("BitOr", "BitAnd"), ("BitXor", "BitOr"),
+    },
+    "ReplaceComparisonOperator": {
+        ("Eq", "NotEq"), ("NotEq", "Eq"), ("Lt", "LtE"), ("LtE", "Lt"), ("Gt", "GtE"), ("GtE", "Gt"),
+        ("Is", "IsNot"), ("IsNot", "Is"), ("In", "NotIn"), ("NotIn", "In"),
+    },
+}  # fmt: skip
+SWAP = re.compile(r"core/(ReplaceBinaryOperator|ReplaceComparisonOperator)_(\w+?)_(\w+)$")
+
+
+def kept(operator: str) -> bool:
+    m = SWAP.match(operator)
+    return m is None or (m[2], m[3]) in KEPT_SWAPS[m[1]]
+
+
+def copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / name)
+
+
+def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    tests = " ".join(TARGETS[target])
+    command = f"{sys.executable} -m pytest -x -q -p no:randomly -p no:cacheprovider {tests}"
+    config, db = tree / "cosmic-ray.toml", tree / "session.sqlite"
+    config.write_text(
+        f'[cosmic-ray]\nmodule-path = "{target}"\ntimeout = {timeout}\nexcluded-modules = []\n'
+        f'test-command = "{command}"\n[cosmic-ray.distributor]\nname = "local"\n'
+    )
+    db.unlink(missing_ok=True)
+    where = subprocess.run([sys.executable, "-c", "import aotc; print(aotc.__file__)"], cwd=tree, env=env, capture_output=True, text=True).stdout
+    if not Path(where.strip()).is_relative_to(tree):  # the mutants would never be imported
+        raise SystemExit(f"the tests would import aotc from {where.strip()}, not from the mutated copy in {tree}")
+    t0 = time.perf_counter()
+    base = subprocess.run(command.split(), cwd=tree, env=env, capture_output=True, text=True)
+    if base.returncode != 0:  # every mutant would count as killed
+        raise SystemExit(f"{target}: its tests fail without any mutation:\n{base.stdout[-3000:]}")
+    baseline_s = time.perf_counter() - t0
+    exe = Path(sys.executable).parent / "cosmic-ray"
+    r = subprocess.run([str(exe), "init", str(config), str(db)], cwd=tree, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"cosmic-ray init failed for {target}:\n{r.stderr}")
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        jobs = [(item.job_id, item.mutations[0].operator_name) for item in work.work_items]
+        total = len(jobs)
+        candidates = sorted(job for job, op in jobs if kept(op))
+        chosen = set(random.Random(seed).sample(candidates, sample)) if sample and sample < len(candidates) else set(candidates)
+        # What is not chosen is recorded as skipped, as cosmic-ray's own filters do.
+        work.set_multiple_results([job for job, _ in jobs if job not in chosen], WorkResult(WorkerOutcome.SKIPPED, output="not chosen"))
+    print(f"{target}: {len(chosen)} mutants of {total} ({len(candidates)} after one swap per operator); tests take {baseline_s:.0f} s unmutated", flush=True)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([str(exe), "exec", str(config), str(db)], cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:
+            time.sleep(30)
+            with use_db(str(db), WorkDB.Mode.open) as work:
+                done = work.num_results - (total - len(chosen))
+            print(f"  {done} of {len(chosen)} mutants tested, {time.perf_counter() - t0:.0f} s", flush=True)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"cosmic-ray exec failed for {target}:\n{log.read()[-3000:]}")
+    return summarize(target, db, total, len(candidates), time.perf_counter() - t0)
+
+
+def summarize(target: str, db: Path, total: int, candidates: int, seconds: float) -> dict:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        rows = [(item.mutations[0], result) for item, result in work.completed_work_items if result.worker_outcome != WorkerOutcome.SKIPPED]
+    timeouts = [m for m, r in rows if r.worker_outcome == WorkerOutcome.ABNORMAL]  # the tests hung on the mutant: caught
+    killed = [m for m, r in rows if r.test_outcome == TestOutcome.KILLED and r.worker_outcome != WorkerOutcome.ABNORMAL]
+    incompetent = [m for m, r in rows if r.test_outcome == TestOutcome.INCOMPETENT]  # the mutant does not even import
+    survivors = sorted(((m, r) for m, r in rows if r.test_outcome == TestOutcome.SURVIVED), key=lambda mr: mr[0].start_pos)
+    tested = len(killed) + len(timeouts) + len(survivors)
+    return {
+        "file": target,
+        "mutants": total,
+        "after_swap_filter": candidates,
+        "run": len(rows),
+        "killed": len(killed),
+        "timeouts": len(timeouts),
+        "incompetent": len(incompetent),
+        "survived": len(survivors),
+        "score": round((len(killed) + len(timeouts)) / tested, 3) if tested else None,
+        "seconds": round(seconds),
+        "survivors": [{"line": m.start_pos[0], "operator": m.operator_name, "diff": r.diff} for m, r in survivors],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", help=f"modules to mutate (default: {', '.join(TARGETS)})")
+    parser.add_argument("--sample", type=int, help="run this many mutants per module, chosen at random with --seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one mutant's tests may run")
+    parser.add_argument("--json", type=Path, help="write the scores and survivors here")
+    args = parser.parse_args()
+    targets = args.targets or list(TARGETS)
+    for t in targets:
+        if t not in TARGETS:
+            parser.error(f"{t}: not a target; known targets are {', '.join(TARGETS)} (add it, with its tests, to TARGETS)")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="aotc-mutate-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        for t in targets:
+            results.append(run_target(t, tree, args.sample, args.seed, args.timeout))
+            res = results[-1]
+            print(f"  killed {res['killed'] + res['timeouts']} of {res['killed'] + res['timeouts'] + res['survived']} ({res['score']:.0%}) in {res['seconds']} s", flush=True)
+            for s in res["survivors"]:
+                print(f"  survived: line {s['line']} {s['operator']}")
+    print(f"\n{'file':40} {'run':>5} {'killed':>7} {'survived':>9} {'score':>6}")
+    for r in results:
+        print(f"{r['file']:40} {r['run']:>5} {r['killed'] + r['timeouts']:>7} {r['survived']:>9} {r['score']:>6.0%}")
+    if args.json:
+        tmp_json = args.json.with_suffix(".tmp")
+        tmp_json.write_text(json.dumps({"sample": args.sample, "seed": args.seed, "results": results}, indent=2) + "\n")
+        os.replace(tmp_json, args.json)
+
+
+if __name__ == "__main__":
+    main()
