@@ -47,7 +47,8 @@ def _stop_on_sigterm() -> None:
 
 
 def _fail(e: AotcError) -> None:
-    err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+    # soft_wrap: the terminal wraps the line, so paths and commands in it stay whole to copy.
+    err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

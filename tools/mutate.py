@@ -75,7 +75,7 @@ def copy_tree(dst: Path) -> None:
 def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     tests = " ".join(TARGETS[target])
-    command = f"{sys.executable} -m pytest -x -q -p no:randomly -p no:cacheprovider {tests}"
+    command = f"{sys.executable} -m pytest -x -q -n 0 -p no:randomly -p no:cacheprovider {tests}"
     config, db = tree / "cosmic-ray.toml", tree / "session.sqlite"
     config.write_text(
         f'[cosmic-ray]\nmodule-path = "{target}"\ntimeout = {timeout}\nexcluded-modules = []\n'
