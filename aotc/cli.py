@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,16 +13,22 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .errors import AotcError
 from .models.corpus import CORPUS
-from .quiet import silence_third_party_warnings
-
-silence_third_party_warnings()
+from .quiet import VERBOSE_ENV, silence_third_party_warnings
 
 app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graphs.", no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def _options(verbose: bool = typer.Option(False, "--verbose", help="Also show the warnings torch and JAX raise about their own internals (aotc/quiet.py lists them); hidden by default.")):
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # build workers inherit it
+    silence_third_party_warnings()
 init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
 app.add_typer(init_app, name="init")
 console = Console()
@@ -111,7 +119,7 @@ CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (defaul
 
 @app.command()
 def build(
-    model_dir: Optional[Path] = typer.Argument(None, help="Hugging Face model folder (config.json, *.safetensors)."),
+    model_dir: Optional[str] = typer.Argument(None, help="Hugging Face model folder (config.json, *.safetensors), or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
@@ -127,6 +135,7 @@ def build(
     remote_cache: Optional[str] = typer.Option(None, "--remote-cache", help="s3://bucket/prefix: read-through, write-back remote cache."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: compile only this shard's artifacts into the cache; no bundle."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="BUNDLE: compile the pending artifacts of a neuron cross-build (needs neuronx-cc)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .build import build as run_build, parse_shard
@@ -138,10 +147,13 @@ def build(
     if model_dir is None:
         _fail(AotcError("aotc build needs MODEL_DIR (or --resume BUNDLE)"))
     try:
+        from .models.hub import resolve_model
+
+        model_path, hub = resolve_model(model_dir, revision)
         options = _build_options(
-            model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
+            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
-            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None,
+            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -282,19 +294,25 @@ def cache_prune(
 
 @app.command()
 def run(
-    path: Path = typer.Argument(..., help="Bundle folder written by aotc build (with --eager: a model folder)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from)."),
-    prompt: list[str] = typer.Option(list(DEFAULT_PROMPTS), "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="Tokens to generate per prompt."),
+    path: Path = typer.Argument(..., help="Bundle folder written by aotc build (with --eager: a model folder or Hub id ORG/NAME)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or Hugging Face Hub id (ORG/NAME) with the weights (default: the one the bundle was built from)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of --model ORG/NAME."),
+    prompt: list[str] = typer.Option([], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128, cut to fit the bundle)."),
+    chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
     check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches (a token at a near-tie is reported, not failed) and the logits agree within the tolerance for the dtype and backend."),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
 ):
-    """Greedy generation through a bundle (or, with --eager, with the eager model)."""
+    """Greedy generation through a bundle (or, with --eager, with the eager model). Stops at
+    the model's eos tokens (generation_config.json's, else config.json's). Text streams
+    as it is generated."""
     from .models.base import load_model
+    from .models.generation import generation_defaults
+    from .models.hub import resolve_model
     from .plugins import load_plugins
     from .runtime import Bundle, compare, generate, tolerance_for
 
@@ -304,36 +322,57 @@ def run(
         if eager:
             if check:
                 raise AotcError("--check compares a bundle with the eager model; it has nothing to compare with --eager")
-            model_dir = model or path
+            model_dir, _ = resolve_model(model or str(path), revision)
             loaded = load_model(model_dir)
-            tokenizer = _tokenizer(model_dir)
-            prompts = _encode(tokenizer, prompt)
-            max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + max_new_tokens)
-            gen = generate(loaded.model, prompts, max_new_tokens, max_batch=max_batch or len(prompts), max_seq=max_seq)
-            report = _report(prompt, gen, None, tokenizer, "eager", str(model_dir), 0.0, time.perf_counter() - t0)
+            b = None
         else:
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
-            model_dir = model or Path(b.manifest.model.source)
+            model_dir = _bundle_model(b, model, revision)
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager.
             loaded = load_model(model_dir, stored=True if check else b.stored_params())
             b.check_model(loaded)
             _check_memory(loaded.model, b)  # before generate allocates the caches
             loaded.model.to(b.device)
-            tokenizer = _tokenizer(model_dir)
-            prompts = _encode(tokenizer, prompt)
-            b.bind(loaded.model)
-            setup_s = time.perf_counter() - t0
+        defaults = generation_defaults(model_dir, loaded.config_dict)
+        new_tokens = max_new_tokens or defaults.max_new_tokens
+        tokenizer = _tokenizer(model_dir)
+        asked = prompt or list(DEFAULT_PROMPTS)
+        texts = asked
+        if chat:
+            from .chat import render_user_turn
+
+            texts = [render_user_turn(model_dir, t) for t in asked]
+        prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
+        notes = []
+        if b is None:
+            max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + new_tokens)
+        else:
+            max_seq = b.max_seq
             if max_batch is not None and max_batch > b.max_batch:
                 raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
-            kwargs = dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, keep_logits=check)
-            gen = generate(loaded.model, prompts, max_new_tokens, **kwargs)
-            checked = None
-            if check:
-                Bundle.unbind(loaded.model)
-                ref = generate(loaded.model, prompts, max_new_tokens, **kwargs)
-                checked = compare(gen, ref, tolerance_for(next(loaded.model.parameters()).dtype, b.manifest.backend.name))
-            report = _report(prompt, gen, checked, tokenizer, b.manifest.backend.name, str(b.dir), b.load_s, setup_s)
+            if not prompt:
+                prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
+            b.bind(loaded.model)
+        setup_s = time.perf_counter() - t0
+        kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids)
+        if b is not None:
+            kwargs.update(slots=b.cache_slots, keep_logits=check)
+        stream = None if as_json else _Stream(asked, prompts, tokenizer, notes)
+        with stream or contextlib.nullcontext():
+            gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
+        checked = None
+        if check:
+            Bundle.unbind(loaded.model)
+            ref = generate(loaded.model, prompts, new_tokens, **kwargs)
+            checked = compare(gen, ref, tolerance_for(next(loaded.model.parameters()).dtype, b.manifest.backend.name))
+        generation = {
+            "eos_token_ids": list(defaults.eos_token_ids), "eos_from": defaults.eos_from, "max_new_tokens": new_tokens,
+            "max_new_tokens_from": "--max-new-tokens" if max_new_tokens else defaults.max_new_tokens_from, "chat": chat,
+        }  # fmt: skip
+        backend, source, load_s = ("eager", str(model_dir), 0.0) if b is None else (b.manifest.backend.name, str(b.dir), b.load_s)
+        report = _report(asked, gen, checked, tokenizer, backend, source, load_s, setup_s)
+        report.update(generation=generation, notes=notes)
     except AotcError as e:
         _fail(e)
     if as_json:
@@ -342,6 +381,97 @@ def run(
         _print_report(report)
     if check and not report["check"]["passed"]:
         raise typer.Exit(1)
+
+
+def _bundle_model(b, model: str | None, revision: str | None) -> Path:
+    """The weights for a bundle: --model, else the folder it was built from, else the Hub
+    snapshot it was built from (the same commit) on this machine."""
+    from .models.hub import resolve_model
+
+    if model is not None:
+        return resolve_model(model, revision)[0]
+    if revision is not None:
+        raise AotcError("--revision applies to --model ORG/NAME; the bundle's own model is the commit it was built from")
+    source, hub = Path(b.manifest.model.source), b.manifest.model.hub
+    if hub is not None and not source.is_dir():
+        return resolve_model(hub.repo_id, hub.commit)[0]
+    return source
+
+
+def _fit_smoke_prompts(prompts: list[list[int]], new_tokens: int, max_seq: int) -> tuple[list[list[int]], list[str]]:
+    """The default prompts, each cut to what fits the bundle's cache with the new tokens."""
+    room = max_seq - new_tokens
+    if room < 1:
+        raise AotcError(f"--max-new-tokens {new_tokens}: the bundle's max_seq is {max_seq}; generate at most {max_seq - 1} tokens")
+    notes = [
+        f"smoke prompt {i} cut from {len(p)} to {room} tokens to fit the bundle's max_seq {max_seq} with {new_tokens} new tokens"
+        for i, p in enumerate(prompts)
+        if len(p) > room
+    ]
+    return [p[:room] for p in prompts], notes
+
+
+class _Stream:
+    """Text as it is generated: a single prompt streams to stdout; a batch is a live view
+    with a line per sequence on a terminal, and is printed whole at the end elsewhere."""
+
+    def __init__(self, shown: list[str], prompts: list[list[int]], tokenizer, notes: list[str]):
+        self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
+        self.ids: list[list[int]] = [[] for _ in prompts]
+        self.printed = ""  # a single prompt's text so far
+        self.live = None
+
+    def __enter__(self):
+        for note in self.notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
+        if len(self.prompts) == 1:
+            console.print(self._header(0), highlight=False)
+            console.out("  -> ", end="", highlight=False)
+        elif console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._view(), console=console, auto_refresh=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if len(self.prompts) == 1:
+            self._write(self.tokenizer.decode(self.ids[0]), final=True)
+            console.out("")
+        elif self.live is not None:
+            self.live.update(self._view(), refresh=True)
+            self.live.__exit__(*exc)
+        else:
+            console.print(self._view())
+
+    def _header(self, i: int) -> str:
+        p = self.shown[i]
+        shown = p if len(p) <= 80 else p[:77] + "..."
+        return f"[bold]prompt {i}[/] ({len(self.prompts[i])} tokens): {escape(repr(shown))}"
+
+    def _view(self):
+        from rich.console import Group
+        from rich.text import Text
+
+        lines = []
+        for i, ids in enumerate(self.ids):
+            lines += [Text.from_markup(self._header(i)), Text("  -> " + self.tokenizer.decode(ids))]
+        return Group(*lines)
+
+    def _write(self, text: str, final: bool = False) -> None:
+        if not final and text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return
+        # Byte-level tokenizers only append; anything else is shown again whole.
+        console.out(text[len(self.printed) :] if text.startswith(self.printed) else "\n  -> " + text, end="", highlight=False)
+        console.file.flush()
+        self.printed = text
+
+    def token(self, i: int, sequence) -> None:
+        self.ids[i] = sequence.new_ids
+        if len(self.prompts) == 1:
+            self._write(self.tokenizer.decode(sequence.new_ids))
+        elif self.live is not None:
+            self.live.update(self._view(), refresh=True)
 
 
 @app.command()
@@ -488,14 +618,14 @@ def _tokenizer(model_dir: Path):
         raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
 
 
-def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
+def _encode(tokenizer, prompts: list[str], special: bool = True) -> list[list[int]]:
     ids = []
     for i, p in enumerate(prompts):
         try:
             p.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
             raise AotcError(f"--prompt number {i + 1} is not valid UTF-8 text; pass the prompt as UTF-8") from None
-        ids.append(tokenizer.encode(p).ids)
+        ids.append(tokenizer.encode(p, add_special_tokens=special).ids)
     return ids
 
 
@@ -530,10 +660,7 @@ def _report(prompts, gen, checked, tokenizer, backend, source, load_s, setup_s) 
 
 
 def _print_report(report: dict) -> None:
-    for i, p in enumerate(report["prompts"]):
-        shown = p["prompt"] if len(p["prompt"]) <= 80 else p["prompt"][:77] + "..."
-        console.print(f"[bold]prompt {i}[/] ({len(p['prompt_ids'])} tokens): {shown!r}", highlight=False)
-        console.print(f"  -> {p['text']!r}", highlight=False)
+    """What follows the streamed text: timings, and the check."""
     t = report["timings"]
     console.print(
         f"{report['backend']}: bundle load {t['bundle_load_s'] * 1e3:.0f} ms, time to first token {t['ttft_s'] * 1e3:.0f} ms, "

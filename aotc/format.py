@@ -49,7 +49,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -215,11 +215,31 @@ class EntryRecord:
 
 
 @dataclass
+class GenerationRecord:
+    """What the model folder says about generating (aotc.models.generation)."""
+
+    eos_token_ids: list[int]
+    eos_from: str  # generation_config.json, config.json or none
+    max_new_tokens: int
+    max_new_tokens_from: str  # generation_config.json or aotc default
+
+
+@dataclass
+class HubRecord:
+    """The Hugging Face Hub model the folder was resolved from (`aotc build ORG/NAME`)."""
+
+    repo_id: str
+    commit: str  # the snapshot's commit: `aotc run` resolves exactly this one
+
+
+@dataclass
 class ModelRecord:
     architecture: str
     model_class: str
     source: str  # the model folder it was built from (default for `aotc run`)
     config: dict[str, Any]
+    generation: GenerationRecord
+    hub: HubRecord | None  # null for a model folder given as a path
 
 
 @dataclass

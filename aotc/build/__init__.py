@@ -26,7 +26,7 @@ from ..errors import AotcError
 from ..format import Manifest, bundle_writer, check_replaceable, read_manifest, write_manifest
 from ..models.base import load_model, memory_shortfall
 from ..trace import Variant
-from .assemble import assemble_manifest
+from .assemble import assemble_manifest, model_record
 from .key import KeyedGraph, key_graphs
 from .obtain import BuiltArtifact, copy_files, obtain_artifacts, remote_client
 from .options import BuildOptions, default_backend, default_jobs, parse_buckets, parse_flags, parse_shard
@@ -152,7 +152,7 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
         return None
     # The recipe says what the graphs are; the model folder must still be what they
     # are for: every safetensors header checked against the model (headers only).
-    load_model(options.model_dir, weights=False)
+    loaded = load_model(options.model_dir, weights=False)
     manifest, entries = found
     artifacts = []
     with bundle_writer(options.out) as tmp:
@@ -161,7 +161,7 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
             copy_files(entry.dir, tmp / art.dir, art.files)
             art.served = "cache"
             artifacts.append(BuiltArtifact(e.id, art.bucket, 0.0, entry.size, art, "cache"))
-        manifest.model.source = str(options.model_dir.resolve())
+        manifest.model = model_record(options, loaded)  # this folder's, not the recipe's
         write_manifest(tmp, manifest)
     return BuildResult(options.out, manifest, artifacts, 0, [], time.perf_counter() - t0, 1, cache.root)
 

@@ -7,12 +7,19 @@ import platform
 import torch
 
 from .. import __version__
-from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
+from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
 from ..passes import pipeline_identity
 from ..layout import graph_weights
 from ..trace import Variant, dtype_name
 from .obtain import BuiltArtifact
+from ..models.generation import generation_defaults
 from .plan import Plan
+
+
+def model_record(options, loaded) -> ModelRecord:
+    g = generation_defaults(options.model_dir, loaded.config_dict)
+    generation = GenerationRecord(list(g.eos_token_ids), g.eos_from, g.max_new_tokens, g.max_new_tokens_from)
+    return ModelRecord(loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict, generation, options.hub)
 
 
 def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -> Manifest:
@@ -23,7 +30,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
         aotc_version=__version__,
         created_with={"torch": str(torch.__version__), "python": platform.python_version()},
         plugins=list(options.plugins),
-        model=ModelRecord(loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict),
+        model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
         shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots),
         caches={

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..backends import Backend
 from ..backends.base import get_backend_class, parallel_jobs
 from ..errors import AotcError
-from ..format import DEFAULT_ARTIFACTS
+from ..format import DEFAULT_ARTIFACTS, HubRecord
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_CHUNK_BUCKETS = (128,)
@@ -78,12 +78,13 @@ class BuildOptions:
     remote_cache: str | None = None  # s3://bucket/prefix
     shard: tuple[int, int] | None = None  # (i, n): compile the i-th of n shares into the cache, no bundle
     plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
+    hub: HubRecord | None = None  # the Hub id model_dir was resolved from (aotc.models.hub)
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
-        if self.out is None:
-            self.out = DEFAULT_ARTIFACTS / self.model_dir.resolve().name
+        if self.out is None:  # a Hub snapshot folder is named by its commit: use the model's name
+            self.out = DEFAULT_ARTIFACTS / (self.hub.repo_id.split("/")[1] if self.hub else self.model_dir.resolve().name)
         self.out = Path(self.out)
         if self.max_seq is not None and self.max_seq <= 0:
             raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")

@@ -9,6 +9,7 @@ sequence i of a group lives in cache slot i, and the slot past the last
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,13 +66,18 @@ def generate(
     max_seq: int,
     slots: int | None = None,
     stop_at_eos: bool = True,
+    eos_ids: Iterable[int] | None = None,
     keep_logits: bool = False,
+    on_token: Callable[[int, Sequence], None] | None = None,
 ) -> Generation:
+    """Greedy generation. Stops a sequence at any of eos_ids (default: the model
+    config's eos_token_ids). on_token(i, sequence) runs after sequence i (of all
+    prompts) gains a token, for streaming."""
     if max_new_tokens < 1:
         raise AotcError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
     check_lengths(prompts, max_new_tokens, max_seq)
     slots = slots or max_batch + 1
-    eos = set(getattr(model.config, "eos_token_ids", ())) if stop_at_eos else set()
+    eos = set(getattr(model.config, "eos_token_ids", ()) if eos_ids is None else eos_ids) if stop_at_eos else set()
     device = next(model.parameters()).device
     caches = model.allocate_caches(slots, max_seq, device)
     result = Generation([Sequence(list(p)) for p in prompts])
@@ -82,7 +88,7 @@ def generate(
         logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
         result.prefill_s += time.perf_counter() - t0
         result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-        done = _append(group, logits, eos, keep_logits, [False] * len(group))
+        done = _append(group, logits, eos, keep_logits, [False] * len(group), on_token, g)
         if g == 0:
             result.ttft_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
@@ -92,19 +98,21 @@ def generate(
             ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
             positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group], device=device)
             logits = model.decode(ids, positions, caches)  # [B, vocab]
-            done = _append(group, logits, eos, keep_logits, done)
+            done = _append(group, logits, eos, keep_logits, done, on_token, g)
             result.decode_steps += 1
         result.decode_s += time.perf_counter() - t0
     return result
 
 
-def _append(group, logits, eos, keep_logits, done) -> list[bool]:
+def _append(group, logits, eos, keep_logits, done, on_token, first: int) -> list[bool]:
     next_ids = logits.argmax(dim=-1).tolist()
     out = []
-    for s, token, row, finished in zip(group, next_ids, logits, done):
+    for i, (s, token, row, finished) in enumerate(zip(group, next_ids, logits, done)):
         if not finished:
             s.new_ids.append(token)
             if keep_logits:
                 s.logits.append(row.clone())
+            if on_token is not None:
+                on_token(first + i, s)
         out.append(finished or token in eos)
     return out

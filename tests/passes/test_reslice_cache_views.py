@@ -170,3 +170,70 @@ def test_alias_root_follows_views_and_inplace_results():
     for node in writes(gm):
         root, views = alias_root(node.args[0])
         assert root is cache and views
+
+
+def run_against_eager(module, args, cache_arg):
+    """Export, run the pass, and return (graph, pass result) after checking the cache and
+    the output against eager."""
+    ep = export(module, *args)
+    gm = ep.graph_module
+    result = ResliceCacheViews()(gm)
+    assert count_view_writes(gm) == 0
+    eager_args, run_args = [a.clone() for a in args], [a.clone() for a in args]
+    expected = module(*eager_args)
+    torch.testing.assert_close(gm(*run_args)[0], expected)
+    torch.testing.assert_close(run_args[cache_arg], eager_args[cache_arg])
+    return gm, result
+
+
+def test_inplace_on_an_intermediate_is_left_and_later_cache_writes_still_rewritten():
+    class ScratchThenCache(nn.Module):
+        def forward(self, x, cache):  # cache: [4, 6, 8]
+            t = x * 2
+            t[0].add_(1.0)  # in place on a tensor the graph made: not an input, not touched
+            cache[:, 1:3] = t
+            return cache.sum(1)
+
+    gm, result = run_against_eager(ScratchThenCache(), [torch.randn(4, 2, 8), torch.randn(4, 6, 8)], 1)
+    assert result.changes == 1 and any(n.target is aten.add_.Tensor for n in gm.graph.nodes)
+
+
+def test_accumulating_index_put_through_a_view_adds_repeated_indices():
+    class Accumulate(nn.Module):
+        def forward(self, k, slots, cache):  # cache: [4, 2, 8]; slot 1 appears twice
+            cache.narrow(0, 0, 3).index_put_((slots,), k, accumulate=True)
+            return cache.sum(1)
+
+    run_against_eager(Accumulate(), [torch.randn(3, 2, 8), torch.tensor([1, 0, 1]), torch.randn(4, 2, 8)], 2)
+
+
+def test_consecutive_advanced_indices_keep_their_place():
+    class Consecutive(nn.Module):
+        def forward(self, k, slots, pos, cache):  # cache: [H, slots, S, D]; index dims 1 and 2 together
+            cache[:, :3][:, slots, pos] = k  # k: [H, N, D]
+            return cache.sum(2)
+
+    k, cache = torch.randn(2, 3, 8), torch.randn(2, 4, 12, 8)
+    run_against_eager(Consecutive(), [k, torch.tensor([0, 2, 1]), torch.tensor([5, 0, 9]), cache], 3)
+
+
+def test_advanced_indices_of_different_ranks_broadcast():
+    class Broadcast(nn.Module):
+        def forward(self, k, rows, cols, cache):  # rows: [2, 3], cols: [3] -> [2, 3] positions
+            cache.narrow(0, 0, 3)[rows, :, cols] = k  # k: [2, 3, H]
+            return cache.sum(2)
+
+    rows, cols = torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.tensor([4, 7, 1])
+    run_against_eager(Broadcast(), [torch.randn(2, 3, 2), rows, cols, torch.randn(4, 2, 12)], 3)
+
+
+def test_a_write_up_to_the_last_position_maps_dim_by_dim():
+    """Each view dim walks one root dim, up to its end: no flat offsets (floor_divide)."""
+
+    class LastPositions(nn.Module):
+        def forward(self, k, cache):  # cache: [B, H, S, D]; the last two of S positions
+            cache[:, :, 14:16] = k
+            return cache.sum(2)
+
+    gm, _ = run_against_eager(LastPositions(), [torch.randn(2, 3, 2, 8), torch.randn(2, 3, 16, 8)], 1)
+    assert not any(n.target is aten.floor_divide.default for n in gm.graph.nodes)

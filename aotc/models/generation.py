@@ -1,0 +1,60 @@
+"""What a model folder says about generating: stop tokens and a length.
+
+Instruct checkpoints keep their stop tokens in generation_config.json: Llama 3
+Instruct lists three eos ids there and one in config.json, and stopping only
+at config.json's runs past the end of a turn. transformers' `generate` takes
+generation_config.json's first, and so does aotc.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: tuple[int, ...]
+    eos_from: str  # the file that gave them: generation_config.json, config.json or "none"
+    max_new_tokens: int
+    max_new_tokens_from: str  # generation_config.json or "aotc default"
+
+
+def _eos(value, source: Path) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{source}: field 'eos_token_id' is {value!r}; expected a token id or a list of token ids")
+    return tuple(ids)
+
+
+def generation_defaults(model_dir: Path, config: dict) -> GenerationDefaults:
+    """Stop tokens: generation_config.json's eos_token_id, else config.json's. Length:
+    generation_config.json's max_new_tokens, else aotc's default."""
+    path = Path(model_dir) / GENERATION_CONFIG
+    gen = {}
+    if path.is_file():
+        try:
+            gen = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
+        if not isinstance(gen, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(gen).__name__}; fix or remove the file")
+    eos, eos_from = _eos(gen.get("eos_token_id"), path), GENERATION_CONFIG
+    if eos is None:
+        eos, eos_from = _eos(config.get("eos_token_id"), Path(model_dir) / "config.json"), "config.json"
+    if eos is None:
+        eos, eos_from = (), "none"
+    length = gen.get("max_new_tokens")
+    if length is None:
+        return GenerationDefaults(eos, eos_from, DEFAULT_MAX_NEW_TOKENS, "aotc default")
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ConfigError(f"{path}: field 'max_new_tokens' is {length!r}; expected a positive integer")
+    return GenerationDefaults(eos, eos_from, length, GENERATION_CONFIG)
