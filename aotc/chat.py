@@ -17,18 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import ConfigError
+from .models.config import read_json_object
 
 
 def _read(model_dir: Path) -> tuple[str, dict]:
     path = Path(model_dir) / "tokenizer_config.json"
-    config = {}
-    if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    config = read_json_object(path) if path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

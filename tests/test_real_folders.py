@@ -197,3 +197,16 @@ def test_a_warning_aotc_does_not_know_still_shows(tmp_path):
     r = aotc("init", "tiny", tmp_path / "m", "--layers", 1, "--plugin", "noisy_plugin", env={"PYTHONPATH": str(tmp_path)})
     assert "noisy_plugin.py:2: FutureWarning: a FutureWarning aotc has not seen" in r.stderr, r.stderr
     assert r.returncode == 2 and "noisy_plugin: imported, but it registered no architecture" in r.stderr
+
+
+@pytest.mark.parametrize("text, said", [
+    ('{"eos_token_id": "</s>"}', "generation_config.json: field 'eos_token_id' is '</s>'; expected a token id or a list of token ids"),
+    ('{"max_new_tokens": 0}', "generation_config.json: field 'max_new_tokens' is 0; expected a positive integer"),
+    ("{not json", "generation_config.json: not valid JSON"),
+])  # fmt: skip
+def test_bad_generation_config_is_named(tiny_dir, small_bundle, tmp_path, text, said):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_dir, model)
+    (model / "generation_config.json").write_text(text)
+    r = runner.invoke(app, ["run", str(small_bundle), "--model", str(model), "--prompt", "hi"])
+    assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output

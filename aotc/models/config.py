@@ -18,13 +18,18 @@ def read_config(model_dir: Path) -> dict:
         raise ConfigError(f"{model_dir}: not a folder; expected a model folder with config.json and *.safetensors")
     if not path.is_file():
         raise ConfigError(f"{path}: missing; a model folder needs a Hugging Face config.json")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file of a model folder that holds one object (config.json, generation_config.json, ...)."""
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e}); fix or re-export the file") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class ModelConfig:

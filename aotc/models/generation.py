@@ -8,11 +8,11 @@ generation_config.json's first, and so does aotc.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .config import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -39,14 +39,7 @@ def generation_defaults(model_dir: Path, config: dict) -> GenerationDefaults:
     """Stop tokens: generation_config.json's eos_token_id, else config.json's. Length:
     generation_config.json's max_new_tokens, else aotc's default."""
     path = Path(model_dir) / GENERATION_CONFIG
-    gen = {}
-    if path.is_file():
-        try:
-            gen = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
-        if not isinstance(gen, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(gen).__name__}; fix or remove the file")
+    gen = read_json_object(path) if path.is_file() else {}
     eos, eos_from = _eos(gen.get("eos_token_id"), path), GENERATION_CONFIG
     if eos is None:
         eos, eos_from = _eos(config.get("eos_token_id"), Path(model_dir) / "config.json"), "config.json"
