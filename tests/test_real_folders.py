@@ -210,3 +210,22 @@ def test_bad_generation_config_is_named(tiny_dir, small_bundle, tmp_path, text, 
     (model / "generation_config.json").write_text(text)
     r = runner.invoke(app, ["run", str(small_bundle), "--model", str(model), "--prompt", "hi"])
     assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+
+
+def test_a_batch_on_a_terminal_is_a_live_view_with_a_line_per_sequence(small_bundle, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from aotc import cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=screen, force_terminal=True, width=200))
+    report = run_json(small_bundle, "--prompt", "Hello", "--prompt", "What is the capital of France?", "--max-new-tokens", 6)
+    r = runner.invoke(app, ["run", str(small_bundle), "--prompt", "Hello", "--prompt", "What is the capital of France?", "--max-new-tokens", "6"])
+    assert r.exit_code == 0, r.output
+    shown = screen.getvalue()
+    assert shown.count("prompt 0") > 6  # redrawn in place as each token comes (6 tokens each)
+    final = shown.rsplit("prompt 0", 1)[1]  # the last drawing of the view
+    for p in report["prompts"]:
+        assert f"  -> {p['text']}" in final
