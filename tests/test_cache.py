@@ -20,6 +20,8 @@ from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.build import BuildOptions, build, build_keys
 from aotc.cache import CacheError, LocalCache
+from aotc.errors import AotcError
+from aotc.format import CompiledRecord
 from aotc.cli import app
 from aotc.models.tiny import write_tiny
 
@@ -196,9 +198,44 @@ def test_prune_keeps_the_most_recently_used(tiny_dir, tmp_path):
     now = time.time()
     for i, e in enumerate(entries):
         os.utime(e.dir / "record.json", (now - 1000 + i, now - 1000 + i))
-    keep = entries[-1]
-    removed, _ = cache.prune(keep.size)
+    keep, dropped = entries[-1], sum(e.size for e in entries[:-1])
+    removed, freed = cache.prune(keep.size)
     assert removed == len(entries) - 1 and [e.key for e in cache.entries()] == [keep.key]
+    assert freed == dropped  # the bytes it reports are the bytes it deleted
+    assert keep.dir == cache.root / "entries" / keep.key[:2] / keep.key  # the layout aotc/cache/local.py documents
+
+
+def fake_record(files: dict[str, str], key: str) -> CompiledRecord:
+    return CompiledRecord(files=files, inputs=[], outputs=[], form="static", export_s=0.0, compile_s=0.0, cache_key=key, passes=[], extra={})
+
+
+def test_put_clears_what_a_killed_compile_of_the_key_left_and_checks_what_it_publishes(tmp_path):
+    import hashlib
+
+    cache, key = LocalCache(tmp_path / "cache"), "ab" * 32
+    stale, other = cache.root / "tmp" / f"{key[:16]}-dead", cache.root / "tmp" / ("cd" * 8 + "-alive")
+    for folder in (stale, other):
+        folder.mkdir(parents=True)
+        (folder / "program.pt2").write_bytes(b"half")
+
+    def make(tmp):
+        (tmp / "program.pt2").write_bytes(b"whole")
+        return fake_record({"program.pt2": hashlib.sha256(b"whole").hexdigest()}, key)
+
+    entry = cache.put(key, make)
+    assert not stale.exists() and other.exists()  # only this key's leftovers: another key's compile may be running
+    assert cache.get(key).record.files == entry.record.files
+    with pytest.raises(CacheError, match=r"/model.so: missing while being written to the cache"):
+        cache.put("ef" * 32, lambda tmp: fake_record({"model.so": "0" * 64}, "ef" * 32))
+    assert cache.get("ef" * 32) is None
+
+
+def test_a_corrupt_record_is_left_out_of_the_listing(tiny_dir, tmp_path):
+    cache = LocalCache(tmp_path / "cache")
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache.root, **OPTIONS))
+    first, *rest = cache.entries()
+    (first.dir / "record.json").write_text("{not json")
+    assert [e.key for e in cache.entries()] == [e.key for e in rest]
 
 
 # -- remote cache on a real S3-compatible server, on loopback ---------------------
@@ -336,4 +373,20 @@ def test_sizes_are_decimal_as_printed_and_binary_when_spelled_out():
     from aotc.cache import format_size, parse_size
 
     assert [parse_size(t) for t in ("0", "500M", "2G", "2GB", "1.5GiB", "100k")] == [0, 500 * 10**6, 2 * 10**9, 2 * 10**9, int(1.5 * 2**30), 100_000]
+    for bad in ("5iB", "lots", "-1G"):
+        with pytest.raises(AotcError, match="expected a size such as 500M"):
+            parse_size(bad)
     assert format_size(2 * 10**9) == "2.0 GB" and parse_size(format_size(2 * 10**9).replace(" ", "")) == 2 * 10**9
+
+
+def test_prune_removes_what_killed_builds_left_and_counts_its_bytes(tmp_path):
+    cache = LocalCache(tmp_path / "cache")
+    old, fresh = cache.root / "tmp" / "0123456789abcdef-old", cache.root / "tmp" / "0123456789abcdef-new"
+    for folder in (old, fresh):
+        folder.mkdir(parents=True)
+        (folder / "model.so").write_bytes(b"x" * 1000)
+    (old / "elsewhere").symlink_to(tmp_path)  # a link is neither followed nor counted
+    hour_ago = time.time() - 3700
+    os.utime(old, (hour_ago, hour_ago))
+    assert cache.prune(10**9) == (0, 1000)  # no entry removed; the killed build's 1000 bytes freed
+    assert not old.exists() and fresh.exists() and tmp_path.exists()  # a compile younger than an hour may be running
