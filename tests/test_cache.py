@@ -390,3 +390,32 @@ def test_prune_removes_what_killed_builds_left_and_counts_its_bytes(tmp_path):
     os.utime(old, (hour_ago, hour_ago))
     assert cache.prune(10**9) == (0, 1000)  # no entry removed; the killed build's 1000 bytes freed
     assert not old.exists() and fresh.exists() and tmp_path.exists()  # a compile younger than an hour may be running
+
+
+def test_source_digest_follows_every_python_file_and_nothing_else(tmp_path):
+    from aotc.cache.keys import _source_digest
+
+    digest = _source_digest.__wrapped__  # the cached one holds per process; this reads the files
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 2\n")
+    before = digest(tmp_path / "pkg")
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")
+    assert digest(tmp_path / "pkg") == before
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 3\n")
+    assert digest(tmp_path / "pkg") != before
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "pkg" / "sub" / "b.py").rename(tmp_path / "pkg" / "sub" / "c.py")
+    assert digest(tmp_path / "pkg") != before  # a file's path is part of it too
+
+
+def test_a_config_with_its_fields_in_another_order_is_the_same_recipe(tiny_dir):
+    from aotc.cache.keys import recipe_key
+    from aotc.models.base import load_model
+
+    options = BuildOptions(tiny_dir, **OPTIONS)
+    config, model_class, backend = load_model(tiny_dir, weights=False).config_dict, LocalCache, ExportBackend()
+    reordered = dict(reversed(list(config.items())))
+    assert list(reordered) != list(config)
+    assert recipe_key(options, reordered, model_class, backend) == recipe_key(options, config, model_class, backend)
+    assert recipe_key(options, {**config, "rms_norm_eps": 1e-3}, model_class, backend) != recipe_key(options, config, model_class, backend)
