@@ -301,7 +301,7 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
-    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches (a token at a near-tie is reported, not failed) and the logits agree within the tolerance for the dtype and backend."),
+    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches (a token at a near-tie is reported, not failed) and the logits agree within tol + tol x |eager logit|, tol set by the dtype and backend (fp32 1e-3, bf16 1e-1; x5 on xla and neuron)."),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
@@ -682,8 +682,8 @@ def _print_report(report: dict) -> None:
             verdict = "[green]tokens match eager except at near-ties[/]"
         else:
             verdict = "[red]tokens differ from eager[/]"
-        over = "" if c["max_logit_diff"] <= c["tolerance"] else " [red](over the tolerance)[/]"
-        console.print(f"check: {verdict}; max logit diff {c['max_logit_diff']:.2e}{over}, tolerance {c['tolerance']:.0e}")
+        over = "" if all(r["logits_close"] for r in c["per_prompt"]) else " [red](over the tolerance)[/]"
+        console.print(f"check: {verdict}; max logit diff {c['max_logit_diff']:.2e}{over}, tolerance {c['tolerance']:.0e} + {c['tolerance']:.0e} x |eager|")
 
 
 def _size(n: int) -> str:

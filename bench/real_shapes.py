@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, help="folder for the models and bundles (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "real_shapes.json")
-    parser.add_argument("--only", choices=["8b", "0.5b"], help="run one part")
+    parser.add_argument("--only", choices=["8b", "0.5b"], help="run one part (its figures replace that part's in --json)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="aotc-real-") as tmp:
         work = args.work or Path(tmp)
@@ -153,6 +153,8 @@ def main() -> None:
     if q:
         print(f"{'aotc / eager decode tokens/s':48} {q['aotc_decode_tokens_per_s'] / q['eager_decode_tokens_per_s']:>14.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    if args.only and args.json.is_file():  # one part run again: the other part's figures stay
+        results = {**json.loads(args.json.read_text()), **results}
     tmp_json = args.json.with_suffix(".tmp")
     tmp_json.write_text(json.dumps(results, indent=2) + "\n")
     os.replace(tmp_json, args.json)

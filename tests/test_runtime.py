@@ -199,3 +199,17 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
         used.clear()
         generate(loaded.model, prompts(*[5] * batch), 2, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots)
         assert used and set(used) == {bucket}, (batch, used)
+
+
+def test_check_tolerance_grows_with_the_logit():
+    """tol + tol x |eager|: a bf16 logit near 10 moves in steps of 0.06, one near 0 in far finer ones."""
+    from aotc.runtime.check import compare
+    from aotc.runtime.generate import Generation, Sequence
+
+    def generation(logits):
+        return Generation([Sequence([1], [int(logits.argmax())], [logits])])
+
+    eager = torch.tensor([10.0, 0.0, -3.0])
+    assert compare(generation(eager + torch.tensor([0.5, 0.0, 0.0])), generation(eager), 0.1).passed  # 0.5 <= 0.1 + 1.0
+    report = compare(generation(eager + torch.tensor([0.0, 0.2, 0.0])), generation(eager), 0.1)
+    assert not report.passed and report.per_prompt[0].equal and not report.per_prompt[0].logits_close  # 0.2 > 0.1 at 0

@@ -38,7 +38,7 @@ from ..models.base import load_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
 from .bundle import Bundle, bound_weights
-from .check import tolerance_for
+from .check import close, tolerance_for
 from .dispatch import Dispatcher
 
 SEED = 0
@@ -128,7 +128,7 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
             hlo_out, hlo_after = runs[HLO_PROTO]
             check.hlo_max_abs, _ = _compare(hlo_out, out, check, "hlo.pb output against model.jax")
             for i in cache_at:
-                if not _close(hlo_after[i], after[i], check.tolerance):
+                if not close(hlo_after[i], after[i], check.tolerance):
                     check.problems.append(f"hlo.pb and model.jax write cache {i} differently")
         elif HLO_PROTO in runs:
             check.hlo, check.hlo_max_abs = "eager", check.max_abs
@@ -188,11 +188,6 @@ def _run(entry, bucket: int, runner, weights, before):
     return _clone(out), args
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= tol + tol * b.abs()).all())
-
-
 def _compare(got, want, check: ArtifactCheck, what: str) -> tuple[float, float]:
     worst_abs = worst_rel = 0.0
     for i, (a, b) in enumerate(zip(got, want)):
@@ -202,7 +197,7 @@ def _compare(got, want, check: ArtifactCheck, what: str) -> tuple[float, float]:
         diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
         scale = b.float().abs().max().item() if b.numel() else 0.0
         worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale if scale else diff)
-        if not _close(a, b, check.tolerance):
+        if not close(a, b, check.tolerance):
             check.problems.append(f"{what} {i} differs by up to {diff:.3g} (tolerance {check.tolerance:g} + {check.tolerance:g} x |eager|)")
     return worst_abs, worst_rel
 
@@ -218,7 +213,7 @@ def _compare_caches(after, before, eager_after, cache_at, scratch: int, padded: 
         if stray.any():
             where = tuple(int(x) for x in stray.nonzero()[0])
             check.problems.append(f"{what} wrote cache {i} at {where} (slot {where[0]}), where eager wrote nothing: padding rows must write only the scratch slot {scratch}")
-        if not _close(after[i][written], eager_after[i][written], check.tolerance):
+        if not close(after[i][written], eager_after[i][written], check.tolerance):
             check.problems.append(f"{what} wrote cache {i} differently from eager where eager wrote")
         touched |= bool((moved & in_scratch).any())
     # Not every cache takes a write per row (a compressor's entries come every few
