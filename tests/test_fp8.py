@@ -60,7 +60,7 @@ def test_ue8m0_scales_get_exponent_plus_one():
         rescale_scales(torch.tensor([254], dtype=torch.uint8), ue8m0=True)
 
 
-@pytest.mark.parametrize("max_value", [448.0, 224.0, 128.0])
+@pytest.mark.parametrize("max_value", [448.0, 224.0, 128.0, 1.0])
 def test_quantize_clamps_to_a_configurable_maximum(max_value):
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 7
     scale = x.abs().max() / max_value
@@ -72,5 +72,6 @@ def test_quantize_clamps_to_a_configurable_maximum(max_value):
     if max_value <= 240:  # below 240, e4m3fn and trn2's e4m3 read the same bytes as the same values
         bytes_ = q.view(torch.uint8).numpy()
         np.testing.assert_array_equal(bytes_.view(ml_dtypes.float8_e4m3fn).astype(np.float32), bytes_.view(ml_dtypes.float8_e4m3).astype(np.float32))
-    with pytest.raises(ValueError, match="expected 0 < max_value <= 448"):
-        quantize_fp8(x, 500.0)
+    for bad in (500.0, 0.0, -1.0):
+        with pytest.raises(ValueError, match="expected 0 < max_value <= 448"):
+            quantize_fp8(x, bad)
