@@ -146,10 +146,11 @@ def build(
         return _resume(resume, jobs)
     if model_dir is None:
         _fail(AotcError("aotc build needs MODEL_DIR (or --resume BUNDLE)"))
+    options = None
     try:
         from .models.hub import resolve_model
 
-        model_path, hub = resolve_model(model_dir, revision)
+        model_path, hub = resolve_model(model_dir, revision)  # a Hub id may download: interruptible
         options = _build_options(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
@@ -169,7 +170,8 @@ def build(
     except AotcError as e:
         _fail(e)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the bundle writer has removed its temporary folder
-        err_console.print(f"interrupted: {options.out or 'the cache'} is as it was before this build", highlight=False)
+        where = "nothing was written" if options is None else f"{options.out or 'the cache'} is as it was before this build"
+        err_console.print(f"interrupted: {where}", highlight=False)
         raise typer.Exit(130) from None
     where = result.out if result.out else f"cache {result.cache_dir} (shard {shard})"
     table = Table(title=f"{where}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
@@ -315,6 +317,7 @@ def run(
     from .models.hub import resolve_model
     from .plugins import load_plugins
     from .runtime import Bundle, compare, generate, tolerance_for
+    from .runtime.generate import check_lengths
 
     try:
         t0 = time.perf_counter()
@@ -358,6 +361,7 @@ def run(
         kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids)
         if b is not None:
             kwargs.update(slots=b.cache_slots, keep_logits=check)
+        check_lengths(prompts, new_tokens, max_seq)  # before anything streams
         stream = None if as_json else _Stream(asked, prompts, tokenizer, notes)
         with stream or contextlib.nullcontext():
             gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
