@@ -419,3 +419,40 @@ def test_a_config_with_its_fields_in_another_order_is_the_same_recipe(tiny_dir):
     assert list(reordered) != list(config)
     assert recipe_key(options, reordered, model_class, backend) == recipe_key(options, config, model_class, backend)
     assert recipe_key(options, {**config, "rms_norm_eps": 1e-3}, model_class, backend) != recipe_key(options, config, model_class, backend)
+
+
+def test_each_build_keeps_its_own_recipe(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    for buckets in ((1,), (1, 2)):
+        build(BuildOptions(tiny_dir, out=tmp_path / f"b{len(buckets)}", cache_dir=cache, **{**OPTIONS, "batch_buckets": buckets}))
+    assert len(list((cache / "builds").glob("*.json"))) == 2
+    again = build(BuildOptions(tiny_dir, out=tmp_path / "again", cache_dir=cache, **{**OPTIONS, "batch_buckets": (1,)}))
+    assert again.graphs_traced == 0  # the first build's recipe, still there after the second
+
+
+@pytest.mark.parametrize("tamper", ["entry id", "folder", "file name", "entry record"])
+def test_a_recipe_that_points_anywhere_aotc_would_not_write_is_a_miss(tiny_dir, tmp_path, tamper):
+    from aotc.cache.recipes import load_recipe
+
+    cache = LocalCache(tmp_path / "cache")
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache.root, **OPTIONS))
+    (recipe_file,) = (cache.root / "builds").glob("*.json")
+    recipe = recipe_file.stem
+    assert load_recipe(cache, recipe) is not None
+    manifest = json.loads(recipe_file.read_text())
+    entry = manifest["entries"][0]
+    art = entry["artifacts"][0]
+    if tamper == "entry id":
+        entry["id"] = "../escape"
+    elif tamper == "folder":
+        art["dir"] = "../../elsewhere"
+    elif tamper == "file name":
+        art["files"] = {"../model.so": next(iter(art["files"].values()))}
+    else:  # the recipe is intact; an artifact's cache record is not
+        (cache.path(art["cache_key"]) / "record.json").write_text("{not json")
+    recipe_file.write_text(json.dumps(manifest))
+    if tamper == "file name":  # the manifest reader already refuses it: a reported miss in the build
+        with pytest.raises(CacheError, match=r"files"):
+            load_recipe(cache, recipe)
+    else:
+        assert load_recipe(cache, recipe) is None
