@@ -456,3 +456,44 @@ def test_a_recipe_that_points_anywhere_aotc_would_not_write_is_a_miss(tiny_dir, 
             load_recipe(cache, recipe)
     else:
         assert load_recipe(cache, recipe) is None
+
+
+@pytest.mark.parametrize("url", ["https://aotc/ci", "s3:///ci", "s3:ci"])
+def test_remote_url_must_name_an_s3_bucket(url):
+    from aotc.cache.remote import RemoteCache
+
+    with pytest.raises(AotcError, match=r"expected s3://bucket/prefix"):
+        RemoteCache(url)
+
+
+def test_remote_without_boto3_says_what_to_install(monkeypatch):
+    from aotc.cache.remote import RemoteCache
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now raises ImportError
+    with pytest.raises(AotcError, match=r"needs boto3: pip install 'aotc\[s3\]'"):
+        RemoteCache("s3://aotc/ci")
+
+
+def test_remote_entry_with_a_file_missing_or_changed_is_a_reported_miss(tiny_dir, tmp_path, s3):
+    import boto3
+
+    from aotc.cache.remote import RemoteCache
+
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c1", remote_cache="s3://aotc/ci", **OPTIONS))
+    client = boto3.client("s3")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="aotc")["Contents"]]
+    gone, changed = [k for k in keys if not k.endswith("record.json")][:2]
+    client.delete_object(Bucket="aotc", Key=gone)
+    client.put_object(Bucket="aotc", Key=changed, Body=b"not what the record says")
+    for victim in (gone, changed):
+        remote = RemoteCache("s3://aotc/ci")
+        key = victim.split("/")[1]
+        into = tmp_path / key
+        into.mkdir()
+        assert remote.fetch(key, into) is None
+        (said,) = remote.errors
+        assert said.startswith(f"get {key}: ")
+        if victim == changed:
+            assert said.endswith("sha256 differs from its record (changed or truncated); ignored") and not remote.down
+        else:
+            assert "ClientError" in said and remote.down  # a download that fails: the remote is not asked again

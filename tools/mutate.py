@@ -98,9 +98,12 @@ def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: 
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(db), WorkDB.Mode.open) as work:
-        jobs = [(item.job_id, item.mutations[0].operator_name) for item in work.work_items]
+        specs = {item.job_id: item.mutations[0] for item in work.work_items}
+        jobs = [(job, m.operator_name) for job, m in specs.items()]
         total = len(jobs)
-        candidates = sorted(job for job, op in jobs if kept(op))
+        # Job ids are random: order by what the mutant is, so a seed picks the same mutants each run.
+        where = lambda job: (specs[job].start_pos, specs[job].end_pos, specs[job].operator_name, specs[job].occurrence)  # noqa: E731
+        candidates = sorted((job for job, op in jobs if kept(op)), key=where)
         chosen = set(random.Random(seed).sample(candidates, sample)) if sample and sample < len(candidates) else set(candidates)
         # What is not chosen is recorded as skipped, as cosmic-ray's own filters do.
         work.set_multiple_results([job for job, _ in jobs if job not in chosen], WorkResult(WorkerOutcome.SKIPPED, output="not chosen"))

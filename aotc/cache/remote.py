@@ -38,7 +38,6 @@ class RemoteCache:
         self.client = boto3.client("s3", config=config)
         self.errors: list[str] = []
         self.down = False
-        self.stored = 0
 
     def _key(self, key: str, name: str) -> str:
         return f"{self.prefix}/{key}/{name}" if self.prefix else f"{key}/{name}"
@@ -89,6 +88,5 @@ class RemoteCache:
             for name in record.files:
                 self.client.upload_file(str(folder / name), self.bucket, self._key(key, name))
             self.client.put_object(Bucket=self.bucket, Key=self._key(key, RECORD), Body=encode(record))
-            self.stored += 1
         except (BotoCoreError, ClientError, OSError) as e:
             self._failed(f"put {key}", e)
