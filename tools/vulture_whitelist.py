@@ -16,7 +16,8 @@ DeepseekV4ForCausalLM  # @register_architecture
 Qwen2ForCausalLM  # @register_architecture
 MistralForCausalLM  # @register_architecture
 
-# typer commands: the decorator registers them.
+# typer commands and the app's callback (--verbose): the decorator registers them.
+_options
 init_tiny
 cache_key_command
 cache_ls
