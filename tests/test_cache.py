@@ -479,14 +479,15 @@ def test_remote_entry_with_a_file_missing_or_changed_is_a_reported_miss(tiny_dir
 
     from aotc.cache.remote import RemoteCache
 
-    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c1", remote_cache="s3://aotc/ci", **OPTIONS))
     client = boto3.client("s3")
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket="aotc")["Contents"]]
+    client.create_bucket(Bucket="aotc-tampered")  # moto keeps buckets per process, across servers: one of its own
+    build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c1", remote_cache="s3://aotc-tampered/ci", **OPTIONS))
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="aotc-tampered")["Contents"]]
     gone, changed = [k for k in keys if not k.endswith("record.json")][:2]
-    client.delete_object(Bucket="aotc", Key=gone)
-    client.put_object(Bucket="aotc", Key=changed, Body=b"not what the record says")
+    client.delete_object(Bucket="aotc-tampered", Key=gone)
+    client.put_object(Bucket="aotc-tampered", Key=changed, Body=b"not what the record says")
     for victim in (gone, changed):
-        remote = RemoteCache("s3://aotc/ci")
+        remote = RemoteCache("s3://aotc-tampered/ci")
         key = victim.split("/")[1]
         into = tmp_path / key
         into.mkdir()
