@@ -417,12 +417,16 @@ def _fit_smoke_prompts(prompts: list[list[int]], new_tokens: int, max_seq: int) 
 
 class _Stream:
     """Text as it is generated: a single prompt streams to stdout; a batch is a live view
-    with a line per sequence on a terminal, and is printed whole at the end elsewhere."""
+    with a line per sequence on a terminal, and is printed whole at the end elsewhere.
+    Per token it only records the id: the decoding (tokenizers' DecodeStream, which holds
+    back a character split across tokens) and the redraws stay off the decode loop's cost."""
 
     def __init__(self, shown: list[str], prompts: list[list[int]], tokenizer, notes: list[str]):
+        from tokenizers.decoders import DecodeStream
+
         self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
         self.ids: list[list[int]] = [[] for _ in prompts]
-        self.printed = ""  # a single prompt's text so far
+        self.decoder = DecodeStream(skip_special_tokens=False)
         self.live = None
 
     def __enter__(self):
@@ -434,17 +438,16 @@ class _Stream:
         elif console.is_terminal:
             from rich.live import Live
 
-            self.live = Live(self._view(), console=console, auto_refresh=False)
+            # Redrawn a few times a second from what has come, not once per token.
+            self.live = Live(get_renderable=self._view, console=console, refresh_per_second=8)
             self.live.__enter__()
         return self
 
     def __exit__(self, *exc):
         if len(self.prompts) == 1:
-            self._write(self.tokenizer.decode(self.ids[0]), final=True)
             console.out("")
         elif self.live is not None:
-            self.live.update(self._view(), refresh=True)
-            self.live.__exit__(*exc)
+            self.live.__exit__(*exc)  # a last redraw, with every token
         else:
             console.print(self._view())
 
@@ -462,20 +465,13 @@ class _Stream:
             lines += [Text.from_markup(self._header(i)), Text("  -> " + self.tokenizer.decode(ids))]
         return Group(*lines)
 
-    def _write(self, text: str, final: bool = False) -> None:
-        if not final and text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-            return
-        # Byte-level tokenizers only append; anything else is shown again whole.
-        console.out(text[len(self.printed) :] if text.startswith(self.printed) else "\n  -> " + text, end="", highlight=False)
-        console.file.flush()
-        self.printed = text
-
     def token(self, i: int, sequence) -> None:
         self.ids[i] = sequence.new_ids
         if len(self.prompts) == 1:
-            self._write(self.tokenizer.decode(sequence.new_ids))
-        elif self.live is not None:
-            self.live.update(self._view(), refresh=True)
+            text = self.decoder.step(self.tokenizer, sequence.new_ids[-1])
+            if text:
+                console.out(text, end="", highlight=False)
+                console.file.flush()
 
 
 @app.command()
