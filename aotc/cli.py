@@ -114,6 +114,7 @@ MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default:
 BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
+KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8 with a float32 scale per group, packed per token (DeepSeek V4: its NoPE dims, a scale per 64, RoPE dims in bf16), quantized to the target's fp8 maximum (448; trn2: 224).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -127,6 +128,7 @@ def build(
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
     plugin: list[str] = PLUGIN,
+    kv_cache_dtype: str = KV_CACHE_DTYPE,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -154,7 +156,7 @@ def build(
         options = _build_options(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
-            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub,
+            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -244,12 +246,13 @@ def cache_key_command(
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
     plugin: list[str] = PLUGIN,
+    kv_cache_dtype: str = KV_CACHE_DTYPE,
 ):
     """Print one key for a whole build, without compiling (a CI cache key)."""
     from .build import build_key
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin)))
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, kv_cache_dtype=kv_cache_dtype)))
     except AotcError as e:
         _fail(e)
 
@@ -333,7 +336,7 @@ def run(
             model_dir = _bundle_model(b, model, revision)
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager.
-            loaded = load_model(model_dir, stored=True if check else b.stored_params())
+            loaded = load_model(model_dir, stored=True if check else b.stored_params(), kv_cache=b.manifest.model.kv_cache)
             b.check_model(loaded)
             _check_memory(loaded.model, b)  # before generate allocates the caches
             loaded.model.to(b.device)
@@ -571,7 +574,8 @@ def inspect(
         f"[bold]{bundle}[/]  format {m.format_version}  {m.model.model_class} ({m.model.architecture})  "
         f"backend {m.backend.name} {m.backend.version}\n"
         f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  "
-        f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\ndigest {m.digest()}"
+        f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\n"
+        f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  digest {m.digest()}"
     )
     table = Table()
     for col in ("entry", "modules", "bucket", "form", "inputs w/c/a", "outputs", "compile s", "cache key"):

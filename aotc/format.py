@@ -26,8 +26,10 @@ Records are designed for what comes next:
   * a weight the checkpoint stores in low precision is two inputs, its values
     and its scales (`stored`; aotc.quant), and says how the target reads fp8
     bytes (trn2: as IEEE e4m3, so bind rescales them; aotc.fp8);
-  * a cache whose regions have different dtypes is recorded as one CacheSpec
-    per region, each its own allocation (DESIGN.md, Caches);
+  * a cache whose rows pack regions of different dtypes (an fp8 KV cache:
+    values, scales, bf16 dims; aotc.kvcache) lists its regions' byte ranges;
+    graphs take each region as a cache input of its own (`region`), each its
+    own allocation (DESIGN.md, Caches);
   * `digest()` identifies a whole bundle: the sha256 of its manifest, which
     holds every file's sha256.
 """
@@ -49,7 +51,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -96,6 +98,16 @@ class TensorSpec:
     stride: list[int]
     path: str | None  # weights: parameter path inside the instance
     pad: int | float  # activations: the value padding rows get
+    region: RegionSpec | None  # one region of a packed cache argument; None for any other input
+
+
+@dataclass
+class RegionSpec:
+    """Which bytes of a packed cache row a graph input holds (aotc.passes.split_dtype_regions)."""
+
+    of: str  # the entry's cache argument
+    start: int  # byte range in the packed row
+    end: int
 
 
 @dataclass
@@ -122,9 +134,18 @@ class StoredSpec:
 
 
 @dataclass
-class CacheSpec:
-    shape: list[int]  # the root allocation: layer-major
+class CacheRegion:
+    name: str
     dtype: str
+    start: int  # byte range in the packed row
+    end: int
+
+
+@dataclass
+class CacheSpec:
+    shape: list[int]  # the root allocation: layer-major (a packed cache: uint8, rows of bytes)
+    dtype: str
+    regions: list[CacheRegion]  # a packed cache's regions, each allocated apart when compiled; [] for others
 
 
 @dataclass
@@ -233,6 +254,14 @@ class HubRecord:
 
 
 @dataclass
+class KvCacheRecord:
+    """What the KV caches store (`--kv-cache-dtype`; aotc.kvcache)."""
+
+    dtype: Literal["auto", "fp8"]  # auto: the model's dtype
+    fp8_max: float  # fp8 caches quantize to at most this: the target's (trn2: 224)
+
+
+@dataclass
 class ModelRecord:
     architecture: str
     model_class: str
@@ -240,6 +269,7 @@ class ModelRecord:
     config: dict[str, Any]
     generation: GenerationRecord
     hub: HubRecord | None  # null for a model folder given as a path
+    kv_cache: KvCacheRecord
 
 
 @dataclass

@@ -10,6 +10,7 @@ and buffers passed as graph inputs, so the one graph serves every instance.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import traceback
 from pathlib import Path
@@ -66,6 +67,7 @@ class InputInfo:
     stride: list[int]
     path: str | None = None  # weights: parameter path inside the instance
     pad: float | int = 0  # activations: padding value
+    region: tuple[str, int, int] | None = None  # a packed cache's region: (argument, byte start, byte end)
 
 
 @dataclass
@@ -170,10 +172,13 @@ def _freeze(value, where: str):
         return tuple(value)
     if isinstance(value, torch.dtype):
         return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+        # A frozen record of plain values (e.g. aotc.kvcache.Fp8Rows): equal records, equal graphs.
+        return (type(value).__qualname__, *(_freeze(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)))
     raise TraceError(
         f"{where} = {value!r} ({type(value).__name__}) is read by an entry method; layers can only be "
-        "grouped by plain values (int, float, bool, str, None or tuples of them). Make it a buffer "
-        "if it is per-layer data, or a plain value"
+        "grouped by plain values (int, float, bool, str, None, tuples of them, or frozen dataclasses of "
+        "them). Make it a buffer if it is per-layer data, or a plain value"
     )
 
 
@@ -290,15 +295,30 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     export_s = time.perf_counter() - t0
     gm = program.graph_module
     reports = run_pipeline(gm, pipeline_for(pass_target))
+    regions = gm.meta.get("aotc_regions", {})
+    if regions:
+        program = _with_new_inputs(program)
+        gm = program.graph_module
     if needs_static(pass_target):
         _check_static(gm, f"{variant.entry_id} (bucket {bucket})", pass_target)
     _drop_stale_ranges(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(names) + len(args):
-        raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(names) + len(args)}")
+    # A split input (SplitDtypeRegions) is one placeholder per region, in its place.
+    given = [(name, None) for name in names + list(spec.params)]
+    given = [(name, r) for i, (name, _) in enumerate(given) for r in regions.get(i, [None])]
+    if len(placeholders) != len(given):
+        raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(given)}")
     inputs = []
-    for node, name in zip(placeholders, names + list(spec.params)):
+    for node, (name, region) in zip(placeholders, given):
         val = node.meta["val"]
+        if region is not None:
+            if name not in spec.caches:
+                raise TraceError(
+                    f"{variant.entry_id}: argument {name!r} is read as regions of several dtypes, which only a cache "
+                    "may be (name it in @entry(caches=...)), or read it as one dtype"
+                )
+            inputs.append(InputInfo(f"{name}@{region[0]}", "cache", list(val.shape), dtype_name(val.dtype), list(val.stride()), region=(name, *region)))
+            continue
         if name in weights:
             kind, path, pad = "weight", name, 0
         elif name in spec.caches:
@@ -314,6 +334,30 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     outputs = _outputs(gm, variant, bucket)
     _check_mutations(gm, inputs, variant)
     return TracedGraph(variant, bucket, program, inputs, outputs, reports, export_s)
+
+
+def _with_new_inputs(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The program with its signature made from its graph's placeholders again, after a
+    pass replaced some: a new placeholder is a user input (aotc's weights are too)."""
+    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
+    from torch.utils import _pytree as pytree
+
+    gm = program.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    known = {s.arg.name: s for s in program.graph_signature.input_specs}
+    specs = [known.get(n.name) or InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in placeholders]
+    args = [s.arg for s in specs if s.kind == InputKind.USER_INPUT]
+    signature = ExportGraphSignature(specs, list(program.graph_signature.output_specs))
+    top = program.module_call_graph[0]
+    in_spec = pytree.tree_flatten((tuple(range(len(args))), {}))[1]
+    call = ModuleCallSignature(args, top.signature.outputs, in_spec, top.signature.out_spec)
+    calls = [ModuleCallEntry(top.fqn, call)] + list(program.module_call_graph[1:])
+    return torch.export.ExportedProgram(
+        gm, gm.graph, signature, program.state_dict, program.range_constraints, calls,
+        (tuple(n.meta["val"] for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), {}), program.constants,
+        verifiers=program.verifiers,
+    )
 
 
 def _record_frames_of(module: nn.Module) -> None:

@@ -24,6 +24,11 @@ Sections (each a table, all in one JSON file):
              and torch.compile of the eager model; batch-1 decode's bytes of
              the weights it uses (the chosen experts and the rest) versus copy
              bandwidth
+  kvcache    fp8 KV caches against full precision, ~100M model in a
+             max_seq-4096 bundle: cache bytes per token, batch-1 decode at
+             position 4000 (aotc inductor and eager, each cache dtype), and
+             eager fp8 cache against eager full precision (max logit
+             difference, greedy agreement over 200 tokens)
 
 --quick runs the tiny models only, with fewer repeats and layer counts 2, 8.
 """
@@ -50,10 +55,11 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from aotc.build import BuildOptions, build  # noqa: E402
+from aotc import kvcache  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.base import load_model  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
-from aotc.runtime import Bundle, tolerance_for  # noqa: E402
+from aotc.runtime import Bundle, generate, tolerance_for  # noqa: E402
 
 console = Console()
 BUCKETS = (1, 2, 4, 8)
@@ -492,6 +498,57 @@ def bench_lowp(root: Path, results: dict, quick: bool) -> None:
     table(f"eager fp8 against eager fp32, {LOWP_TOKENS} greedy tokens", [fidelity])
 
 
+# -- fp8 KV caches -------------------------------------------------------------------
+
+KV_MAX_SEQ, KV_POSITION, KV_TOKENS = 4096, 4000, 200
+
+
+def bench_kvcache(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    name = "100m" if "100m" in models else "tiny"
+    model_dir = models[name]
+    ids, positions = torch.tensor([7]), torch.tensor([KV_POSITION])
+    rows, eager = [], {}
+    for dtype in ("auto", "fp8"):
+        out = root / f"kv-{name}-{dtype}"
+        build(BuildOptions(model_dir, out=out, backend="inductor", batch_buckets=(1,), chunk_buckets=(128,), max_seq=KV_MAX_SEQ, kv_cache_dtype=dtype))
+        bundle = Bundle.load(out)
+        model = load_model(model_dir, kv_cache=bundle.manifest.model.kv_cache).model
+        eager[dtype] = model
+        caches = model.allocate_caches(bundle.cache_slots, KV_MAX_SEQ)
+        for kind, t in caches.items():  # a filled context: random keys and values (fp8: quantized as the model writes them)
+            full = torch.randn(*t.shape[:-1], model.config.head_dim, generator=torch.Generator().manual_seed(0))
+            kvcache.store(model.model.layers[0].self_attn.kv_rows, t, (), full)
+        times = {"eager": timeit(lambda: model.decode(ids, positions, caches), min_time=0.3 if quick else 2.0)}
+        expected = model.decode(ids, positions, caches)
+        bundle.bind(model)
+        layouts = model.cache_layouts()  # the same bytes, as the graphs take them
+        regions = {kind: layouts[kind].unpack(t) if kind in layouts else t for kind, t in caches.items()}
+        torch.testing.assert_close(model.decode(ids, positions, regions), expected, atol=1e-3, rtol=1e-3)
+        times["aotc inductor"] = timeit(lambda: model.decode(ids, positions, regions), min_time=0.3 if quick else 2.0)
+        Bundle.unbind(model)
+        per_token = model.cache_bytes(1, KV_MAX_SEQ) / KV_MAX_SEQ
+        rows.append({"cache": "full precision (fp32)" if dtype == "auto" else "fp8", "bytes per token": per_token, **{f"{k} ms": v * 1e3 for k, v in times.items()}})
+    for r in rows:
+        r["full / this, bytes"] = rows[0]["bytes per token"] / r["bytes per token"]
+        r["full / this, aotc ms"] = rows[0]["aotc inductor ms"] / r["aotc inductor ms"]
+    results["kvcache"] = {"model": name, "batch": 1, "max_seq": KV_MAX_SEQ, "position": KV_POSITION, "rows": rows}
+    table(f"KV cache dtype, {name} model, batch-1 decode at position {KV_POSITION} of max_seq {KV_MAX_SEQ}", rows)
+
+    # Eager fp8 cache against eager full precision: greedy from one prompt, then teacher-forced.
+    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = {k: generate(m, [prompt], KV_TOKENS, max_batch=1, max_seq=len(prompt) + KV_TOKENS, stop_at_eos=False).sequences[0].new_ids for k, m in eager.items()}
+    first_diff = next((i for i, (a, b) in enumerate(zip(runs["auto"], runs["fp8"])) if a != b), KV_TOKENS)
+    seq = torch.tensor(prompt + runs["auto"])
+    a = eager["auto"].prompt_logits(seq)[len(prompt) - 1 : -1]
+    b = eager["fp8"].prompt_logits(seq)[len(prompt) - 1 : -1]
+    fidelity = {
+        "tokens": KV_TOKENS, "max_logit_diff": (a - b).abs().max().item(), "logit_range": (a.max() - a.min()).item(),
+        "greedy_equal_before_first_difference": first_diff, "teacher_forced_top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+    }  # fmt: skip
+    results["kvcache"]["eager_fp8_vs_full"] = fidelity
+    table(f"eager fp8 cache against eager full precision, {KV_TOKENS} greedy tokens", [fidelity])
+
+
 # -- output ----------------------------------------------------------------------
 
 
@@ -514,7 +571,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     args = ap.parse_args()
     sections = args.sections.split(",")
@@ -542,6 +599,8 @@ def main() -> None:
             bench_lowp(root, results, args.quick)
         if "v4" in sections:
             bench_v4(root, results, args.quick)
+        if "kvcache" in sections:
+            bench_kvcache(models, root, results, args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, encode(results))
     console.print(f"wrote {args.out}")

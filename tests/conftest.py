@@ -37,21 +37,29 @@ def near_tie_dir(tmp_path_factory):
 LOGIT_ATOL = {"export": 5e-5, "inductor": 1e-4, "xla": 1e-4, "neuron": 1e-4}
 
 
-def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24):
-    """Generation through the bundle against eager on the same checkpoint, at batch 1
-    and at batch 3 (padded, the 30-token prompt in two chunks): logits within
-    LOGIT_ATOL, tokens equal up to a near-tie (eager's top-2 gap within LOGIT_ATOL).
+# fp8 KV caches: a float difference of 1e-6 before quantization flips a value that lies
+# at a rounding midpoint to the next fp8 value, 6% away. Measured on the tiny llama and
+# DeepSeek V4 (batch 3, a 40-token prompt in chunks of 16): logits within 7.6e-3 of the
+# eager fp8 path on xla and 7.3e-3 on export, tokens equal. Allowed: 2e-2.
+FP8_CACHE_ATOL = 2e-2
+
+
+def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24, long_prompt=30, atol=None, exact=False):
+    """Generation through the bundle against eager on the same checkpoint (with the
+    bundle's KV cache dtype), at batch 1 and at batch 3 (padded, the long prompt in
+    chunks): logits within `atol` (default LOGIT_ATOL), tokens equal up to a near-tie
+    (eager's top-2 gap within atol), or every token equal with exact=True.
     Returns eager's smallest top-2 gap over the steps compared."""
     from aotc.models.base import load_model
     from aotc.runtime import Bundle, compare, generate
 
     bundle = Bundle.load(bundle_dir)
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir, kv_cache=bundle.manifest.model.kv_cache)
     bundle.check_model(loaded)
-    atol = LOGIT_ATOL[bundle.manifest.backend.name]
+    atol = atol or LOGIT_ATOL[bundle.manifest.backend.name]
     g = torch.Generator().manual_seed(0)
     smallest_gap = float("inf")
-    for lengths in ((9,), (5, 30, 21)):
+    for lengths in ((9,), (5, long_prompt, 21)):
         prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
         kw = dict(max_batch=min(len(prompts), bundle.max_batch), max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
         bundle.bind(loaded.model)
@@ -60,6 +68,7 @@ def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24):
         ref = generate(loaded.model, prompts, new_tokens, **kw)
         report = compare(got, ref, atol)
         assert report.passed, [(p.matching_tokens, p.max_logit_diff, p.near_tie_gap) for p in report.per_prompt]
+        assert report.tokens_equal or not exact, [(p.matching_tokens, p.near_tie_gap) for p in report.per_prompt]
         for p, r in zip(report.per_prompt, ref.sequences):
             top2 = torch.stack(r.logits[: p.matching_tokens + 1]).topk(2).values
             smallest_gap = min(smallest_gap, (top2[:, 0] - top2[:, 1]).min().item())

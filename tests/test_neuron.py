@@ -201,6 +201,33 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
 
 
 @lowers
+def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_path, no_compiler):
+    """--kv-cache-dtype fp8 for trn2: the decoder layers' graphs take fp8 cache regions and
+    their compiler commands get the fp8 flag; caches quantize to trn2's 224."""
+    from aotc.models.base import load_model
+
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", **OPTIONS))
+    assert result.manifest.model.kv_cache.fp8_max == 224.0
+    for e, a in result.manifest.artifacts():
+        command = (result.out / a.dir / "command.txt").read_text()
+        fp8_caches = any(i.dtype == "float8_e4m3fn" and i.kind == "cache" for i in a.inputs)
+        assert (FP8_FLAG in command) == fp8_caches == a.extra.fp8 == e.id.startswith("LlamaDecoderLayer"), e.id
+    ids = torch.randint(3, 512, (20,))
+    model = load_model(tiny_dir, kv_cache=result.manifest.model.kv_cache).model
+    caches = model.allocate_caches(2, 64)
+    model.prefill(ids, 0, caches)
+    values = caches["k"][..., :64].view(torch.float8_e4m3fn).float()
+    assert 112 < values.abs().max() <= 224  # each group's largest lands in the top binade under 224 (not 448's)
+    # ...scaled so, not clamped there: layer 0's keys (computed before any cache read) are
+    # the full-precision model's, to fp8's 3 mantissa bits
+    full = load_model(tiny_dir).model
+    want = full.allocate_caches(2, 64)
+    full.prefill(ids, 0, want)
+    got = model.model.layers[0].self_attn.kv_rows.read(caches["k"][0], (), torch.float32)
+    assert ((got - want["k"][0]).abs() <= want["k"][0].abs().amax(-1, keepdim=True) * 2**-4).all()
+
+
+@lowers
 def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypatch):
     """A trn2 bundle of an fp8 checkpoint: the fp8 flag goes to exactly the graphs with
     fp8 inputs, and bind rewrites each fp8 weight once, on the host, so that trn2's

@@ -7,7 +7,7 @@ import platform
 import torch
 
 from .. import __version__
-from ..format import FORMAT_VERSION, BackendRecord, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
+from ..format import FORMAT_VERSION, BackendRecord, CacheRegion, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
 from ..passes import pipeline_identity
 from ..layout import graph_weights
 from ..trace import Variant, dtype_name
@@ -19,7 +19,9 @@ from .plan import Plan
 def model_record(options, loaded) -> ModelRecord:
     g = generation_defaults(options.model_dir, loaded.config_dict)
     generation = GenerationRecord(list(g.eos_token_ids), g.eos_from, g.max_new_tokens, g.max_new_tokens_from)
-    return ModelRecord(loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict, generation, options.hub)
+    return ModelRecord(
+        loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict, generation, options.hub, loaded.config.kv_cache
+    )
 
 
 def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -> Manifest:
@@ -33,14 +35,21 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
         model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
         shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots),
-        caches={
-            kind: CacheSpec(list(shape), dtype_name(dtype))
-            for kind, (shape, dtype) in loaded.model.cache_specs(shapes.slots, shapes.max_seq).items()
-        },
+        caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
         passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend.pass_target())],
         graphs_traced=len(plan.tasks),
         entries=entries,
     )
+
+
+def cache_records(model, slots: int, max_seq: int) -> dict[str, CacheSpec]:
+    layouts = model.cache_layouts()
+    out = {}
+    for kind, (shape, dtype) in model.cache_specs(slots, max_seq).items():
+        layout = layouts.get(kind)
+        regions = [CacheRegion(r.name, dtype_name(r.dtype), *layout.spans[r.name]) for r in layout.regions] if layout else []
+        out[kind] = CacheSpec(list(shape), dtype_name(dtype), regions)
+    return out
 
 
 def _entry(variant: Variant, records, fp8_reading: str) -> EntryRecord:

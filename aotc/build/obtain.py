@@ -23,7 +23,7 @@ import torch
 from ..backends import Backend, Progress
 from ..cache import LocalCache
 from ..cache.local import CacheError
-from ..format import EXTRA_TYPES, ArtifactRecord, CompiledRecord, PassRecord, Served, TensorSpec, artifact_dir, convert, sha256_file
+from ..format import EXTRA_TYPES, ArtifactRecord, CompiledRecord, PassRecord, RegionSpec, Served, TensorSpec, artifact_dir, convert, sha256_file
 from ..quiet import silence_third_party_warnings
 from ..trace import TracedGraph, Variant
 from .key import KeyedGraph, graph_form
@@ -196,4 +196,5 @@ def compile_graph(backend: Backend, graph: TracedGraph, out: Path, key: str) -> 
 
 
 def _spec(info) -> TensorSpec:
-    return TensorSpec(info.name, info.kind, list(info.shape), info.dtype, list(info.stride), info.path, info.pad)
+    region = RegionSpec(*info.region) if info.region else None
+    return TensorSpec(info.name, info.kind, list(info.shape), info.dtype, list(info.stride), info.path, info.pad, region)

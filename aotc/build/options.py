@@ -9,11 +9,13 @@ from pathlib import Path
 from ..backends import Backend
 from ..backends.base import get_backend_class, parallel_jobs
 from ..errors import AotcError
-from ..format import DEFAULT_ARTIFACTS, HubRecord
+from ..format import DEFAULT_ARTIFACTS, HubRecord, KvCacheRecord
+from ..kvcache import kv_cache_record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_CHUNK_BUCKETS = (128,)
 DEFAULT_MAX_SEQ = 1024
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def parse_buckets(text: str, option: str) -> tuple[int, ...]:
@@ -79,6 +81,7 @@ class BuildOptions:
     shard: tuple[int, int] | None = None  # (i, n): compile the i-th of n shares into the cache, no bundle
     plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
     hub: HubRecord | None = None  # the Hub id model_dir was resolved from (aotc.models.hub)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: packed fp8 caches (aotc.kvcache)
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
 
     def __post_init__(self):
@@ -88,6 +91,8 @@ class BuildOptions:
         self.out = Path(self.out)
         if self.max_seq is not None and self.max_seq <= 0:
             raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise AotcError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
         model, out = self.model_dir.resolve(), self.out.resolve()
@@ -105,6 +110,10 @@ class BuildOptions:
 
     def buckets(self, kind: str) -> tuple[int, ...]:
         return {"batch": self.batch_buckets, "chunk": self.chunk_buckets}[kind]
+
+    def kv_cache(self, backend: Backend) -> KvCacheRecord:
+        """The caches' dtype, and the fp8 maximum of the backend's target."""
+        return kv_cache_record(self.kv_cache_dtype, backend.fp8_reading())
 
     def make_backend(self) -> Backend:
         """The backend, ready to compile on this machine (an error says what is missing)."""

@@ -39,7 +39,7 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
 def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     if backend is None:
         _, _, backend = resolve(options)
-    loaded = load_model(options.model_dir, weights=False)
+    loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend))
     shapes = Shapes(slots=max(options.batch_buckets) + 1, max_seq=options.max_seq, device=options.device)
     variants = find_variants(loaded.model, shapes)
     if not variants:

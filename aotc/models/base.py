@@ -8,6 +8,7 @@ unchanged whether the entries are eager or bound to a bundle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import quant
 from ..errors import ConfigError, WeightsError
+from ..format import KvCacheRecord
+from ..kvcache import RowLayout
 from ..layout import Stored, keep_stored
 from .checkpoint import Checkpoint, as_stored, stored_dtype, stored_form
 from .config import ConfigReader, read_config
@@ -46,6 +49,9 @@ class CausalLM(nn.Module):
     methods that raise NotImplementedError."""
 
     config_class: type
+    # What its caches can store (--kv-cache-dtype): "auto" is the model's dtype; a model
+    # that adds "fp8" reads config.kv_cache and packs its caches (aotc.kvcache).
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     # -- checkpoint layout ---------------------------------------------------
     def checkpoint_name(self, param: str) -> str | list[str]:
@@ -69,12 +75,22 @@ class CausalLM(nn.Module):
         """Root cache allocations, layer-major: {kind: (shape, dtype)}."""
         raise NotImplementedError
 
+    def cache_layouts(self) -> dict[str, RowLayout]:
+        """The packed cache kinds (uint8 rows of several dtypes; aotc.kvcache): {kind: layout}."""
+        return {}
+
     def cache_bytes(self, slots: int, max_seq: int) -> int:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.cache_specs(slots, max_seq).values())
 
-    def allocate_caches(self, slots: int, max_seq: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        # Separate allocations per kind, so no two graph inputs share a storage.
-        return {kind: torch.zeros(shape, dtype=dtype, device=device) for kind, (shape, dtype) in self.cache_specs(slots, max_seq).items()}
+    def allocate_caches(self, slots: int, max_seq: int, device: torch.device | str = "cpu", split: bool = False) -> dict:
+        """Zeroed caches, a separate allocation per kind, so no two graph inputs share a
+        storage. split: packed kinds as one allocation per region (`Regions`), as compiled
+        graphs take them; eager code reads the packed buffer."""
+        layouts = self.cache_layouts() if split else {}
+        return {
+            kind: layouts[kind].allocate(shape, device) if kind in layouts else torch.zeros(shape, dtype=dtype, device=device)
+            for kind, (shape, dtype) in self.cache_specs(slots, max_seq).items()
+        }
 
     # -- generation ----------------------------------------------------------
     def prefill(self, ids: torch.Tensor, slot: int, caches: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
@@ -121,15 +137,24 @@ class LoadedModel:
     dir: Path
 
 
-def parse_config(model_dir: Path) -> tuple[dict, Architecture, object]:
+def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None) -> tuple[dict, Architecture, object]:
     config_dict = read_config(model_dir)
     source = Path(model_dir) / "config.json"
     arch = resolve(config_dict, source)
     config = arch.model_class.config_class.from_hf(ConfigReader(config_dict, source))
+    if kv_cache is not None:
+        if kv_cache.dtype not in arch.model_class.kv_cache_dtypes:
+            raise ConfigError(
+                f"--kv-cache-dtype {kv_cache.dtype}: {arch.name} keeps its caches as "
+                f"{' or '.join(arch.model_class.kv_cache_dtypes)}; build it with --kv-cache-dtype auto"
+            )
+        config = dataclasses.replace(config, kv_cache=kv_cache)
     return config_dict, arch, config
 
 
-def load_model(model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False) -> LoadedModel:
+def load_model(
+    model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False, kv_cache: KvCacheRecord | None = None
+) -> LoadedModel:
     """Build the eager model of a model folder.
 
     weights=False traces-only: parameters are fake tensors and the checkpoint
@@ -142,9 +167,12 @@ def load_model(model_dir: Path | str, *, weights: bool = True, stored: bool | Co
     set of parameter paths for those only, which are then not dequantized, so
     memory holds the checkpoint's bytes (their parameters read as NaN, and only
     compiled code must read them).
+
+    kv_cache: what the caches store (default: the model's dtype); a bundle's is in
+    its manifest (`model.kv_cache`).
     """
     model_dir = Path(model_dir)
-    config_dict, arch, config = parse_config(model_dir)
+    config_dict, arch, config = parse_config(model_dir, kv_cache)
     checkpoint = Checkpoint(model_dir)
     if not weights:
         fake_mode = fake_tensor_mode()

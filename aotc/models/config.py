@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from ..format import KvCacheRecord
+from ..fp8 import E4M3FN_MAX
 
 _MISSING = object()
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
@@ -32,12 +35,16 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
+@dataclass
 class ModelConfig:
     """Base of every architecture's config dataclass (built by its `from_hf(ConfigReader)`)."""
 
     # Fields that change what the runtime does but not the compiled graphs (e.g. the
     # end-of-sequence tokens): a bundle runs with a model whose config differs only there.
     RUNTIME_ONLY: ClassVar[tuple[str, ...]] = ("eos_token_ids",)
+
+    # What the KV caches store: set by the build (--kv-cache-dtype), not by config.json.
+    kv_cache: KvCacheRecord = field(default_factory=lambda: KvCacheRecord("auto", E4M3FN_MAX), kw_only=True)
 
 
 class ConfigReader:

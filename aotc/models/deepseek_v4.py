@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..entry import entry
+from ..kvcache import Fp8Rows, load, row_spec, store, zeros
 from ..layout import Derived, derived
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
@@ -214,6 +215,24 @@ def rope_inv_freq(config: DeepseekV4Config, kind: str) -> tuple[torch.Tensor, fl
     return inv_freq, float(attention)
 
 
+# -- caches ------------------------------------------------------------------------
+
+# fp8 caches as DeepSeek V4 stores them: the sliding-window keys and the compressed
+# entries keep their NoPE dims in fp8 with a scale per 64 and their RoPE dims in bf16;
+# the indexer's keys are fp8 with a scale per 128. The compressors' per-position
+# inputs stay in the model's dtype.
+NOPE_GROUP, INDEX_GROUP = 64, 128
+
+
+def cache_rows(c: DeepseekV4Config) -> dict[str, Fp8Rows | None]:
+    """How each kind of key cache stores a row: "kv" (sliding window), "comp" (compressed
+    entries) and "idx_comp" (indexer keys); None for the model's dtype."""
+    if c.kv_cache.dtype != "fp8":
+        return {"kv": None, "comp": None, "idx_comp": None}
+    keys = Fp8Rows(c.head_dim - c.rope_dim, NOPE_GROUP, c.rope_dim, c.kv_cache.fp8_max)
+    return {"kv": keys, "comp": keys, "idx_comp": Fp8Rows(c.index_head_dim, INDEX_GROUP, 0, c.kv_cache.fp8_max)}
+
+
 # -- building blocks ---------------------------------------------------------------
 
 
@@ -276,7 +295,7 @@ class Compressor(nn.Module):
     entry w pools the first series of window w-1 with the second of window w.
     """
 
-    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, dtype):
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, dtype, entry_rows: Fp8Rows | None):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.wkv = nn.Linear(hidden, width, bias=False, dtype=dtype)
@@ -284,6 +303,7 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
         self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.entry_rows = entry_rows  # how the entries are stored (None: in the model's dtype)
 
     def store(self, h, slots, positions, kv_state, gate_state):
         # h: [N, hidden]; the projections of each position go to (slot, position)
@@ -315,13 +335,13 @@ class Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)  # [N, d]
         cos, sin = rope_at(inv_freq, scale, start, pooled.dtype)
-        entry = apply_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        entry = apply_rope(self.norm(pooled), cos, sin)
         # Rows of one (slot, window) all write one value: the closing row's entry
         # when the window closes in this call, else the entry already there.
         closes = (positions + 1) % rate == 0
         closer = (rows == slots[None, :]) & (w[:, None] == w[None, :]) & closes[None, :]  # [N, N]: row j closes row i's window
-        entry = torch.where(closer.any(dim=1)[:, None], entry[closer.int().argmax(dim=1)], entries[slots, w])
-        entries[slots, w] = entry
+        entry = torch.where(closer.any(dim=1)[:, None], entry[closer.int().argmax(dim=1)], load(self.entry_rows, entries, (slots, w), entry.dtype))
+        store(self.entry_rows, entries, (slots, w), entry)
 
 
 class Indexer(nn.Module):
@@ -331,7 +351,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, bias=False, dtype=c.dtype)
         self.weights_proj = nn.Linear(c.hidden_size, c.index_n_heads, bias=False, dtype=c.dtype)
-        self.compressor = Compressor(c.hidden_size, c.index_head_dim, c.compress_rate_csa, True, c.rms_norm_eps, c.dtype)
+        self.compressor = Compressor(c.hidden_size, c.index_head_dim, c.compress_rate_csa, True, c.rms_norm_eps, c.dtype, cache_rows(c)["idx_comp"])
         self.heads, self.dim, self.topk, self.rate = c.index_n_heads, c.index_head_dim, c.index_topk, c.compress_rate_csa
 
     def select(self, h, q_residual, positions, cos, sin, keys):
@@ -360,11 +380,13 @@ class Attention(nn.Module):
         self.wo_a = GroupedLinear(heads * d // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups, dt)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dt)
         self.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+        rows = cache_rows(c)
+        self.kv_rows = rows["kv"]
         if layer_type == "compressed_sparse_attention":
-            self.compressor = Compressor(h, d, c.compress_rate_csa, True, c.rms_norm_eps, dt)
+            self.compressor = Compressor(h, d, c.compress_rate_csa, True, c.rms_norm_eps, dt, rows["comp"])
             self.indexer = Indexer(c)
         elif layer_type == "heavily_compressed_attention":
-            self.compressor = Compressor(h, d, c.compress_rate_hca, False, c.rms_norm_eps, dt)
+            self.compressor = Compressor(h, d, c.compress_rate_hca, False, c.rms_norm_eps, dt, rows["comp"])
         self.heads, self.head_dim, self.groups = heads, d, c.o_groups
         self.window, self.eps = c.sliding_window, c.rms_norm_eps
         self.rope_kind = "main" if layer_type == "sliding_attention" else "compress"
@@ -387,33 +409,33 @@ class Attention(nn.Module):
         q = apply_rope(unweighted_rms(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps), cos, sin)
         kv = apply_rope(self.norm(self.wkv(h))[:, None], cos, sin)[:, 0]  # [N, D]: keys are values
         kv_cache = caches["kv"]
-        kv_cache[slots, positions] = kv
+        store(self.kv_rows, kv_cache, (slots, positions), kv)
 
         # Sliding window: the cached positions up to `window` back from each row's own.
         # Keys are gathered for the window's span only, not the whole cache.
         if one_sequence:  # one span for all rows: [window + N - 1] positions, keys [S', D]
             span = positions[0] - self.window + 1 + torch.arange(self.window + n - 1)
-            keys = kv_cache[slots[:1, None], span.clamp(0, kv_cache.shape[1] - 1)][0]
+            keys = load(self.kv_rows, kv_cache, (slots[:1, None], span.clamp(0, kv_cache.shape[1] - 1)), h.dtype)[0]
             k_pos = span[None, :]
         else:  # a span per row: keys [N, window, D]
             span = positions[:, None] - self.window + 1 + torch.arange(self.window)
-            keys = kv_cache[slots[:, None], span.clamp(0, kv_cache.shape[1] - 1)]
+            keys = load(self.kv_rows, kv_cache, (slots[:, None], span.clamp(0, kv_cache.shape[1] - 1)), h.dtype)
             k_pos = span
         visible = (k_pos >= 0) & (k_pos <= positions[:, None]) & (k_pos > positions[:, None] - self.window)
         if hasattr(self, "compressor"):
             comp = self.compressor
             comp.store(h, slots, positions, caches["comp_kv"], caches["comp_gate"])
             comp.emit(slots, positions, caches["comp_kv"], caches["comp_gate"], caches["comp"], *self.rope("compress"))
-            def of_rows(cache):  # [E, D] shared by the rows, or [N, E, D]; slots[:1], not the .item() of slots[0]
-                return cache[slots[:1]][0] if one_sequence else cache[slots]
+            def of_rows(cache, rows):  # [E, D] shared by the rows, or [N, E, D]; slots[:1], not the .item() of slots[0]
+                return load(rows, cache, (slots[:1],), h.dtype)[0] if one_sequence else load(rows, cache, (slots,), h.dtype)
 
-            entries = of_rows(caches["comp"])
+            entries = of_rows(caches["comp"], comp.entry_rows)
             if hasattr(self, "indexer"):
                 ix = self.indexer
                 ix.compressor.store(h, slots, positions, caches["idx_kv"], caches["idx_gate"])
                 ix.compressor.emit(slots, positions, caches["idx_kv"], caches["idx_gate"], caches["idx_comp"], *self.rope("compress"))
                 icos, isin = rope_at(*self.rope("compress"), positions, h.dtype)
-                picked = ix.select(h, q_residual, positions, icos, isin, of_rows(caches["idx_comp"]))
+                picked = ix.select(h, q_residual, positions, icos, isin, of_rows(caches["idx_comp"], ix.compressor.entry_rows))
             else:  # HCA: every entry whose window has closed
                 picked = torch.arange(entries.shape[-2])[None, :] < ((positions + 1) // comp.rate)[:, None]
             keys = torch.cat([keys, entries], dim=-2)
@@ -556,12 +578,12 @@ class Block(nn.Module):
         hc = self.hc_attn_fn.shape[1] // hidden  # the streams
         index = torch.zeros(rows, dtype=torch.long)
         args = [torch.zeros(rows, hc, hidden, dtype=dtype), index, index.clone(), index.clone()]
-        args.append(torch.zeros(shapes.slots, shapes.max_seq, a.head_dim, dtype=dtype))
+        args.append(zeros(row_spec(a.kv_rows, (shapes.slots, shapes.max_seq), a.head_dim, dtype)))
         for comp in [getattr(a, "compressor", None), getattr(getattr(a, "indexer", None), "compressor", None)]:
             if comp is not None:
                 width = comp.wkv.out_features
                 args += [torch.zeros(shapes.slots, shapes.max_seq, width, dtype=dtype) for _ in range(2)]
-                args.append(torch.zeros(shapes.slots, shapes.max_seq // comp.rate, comp.dim, dtype=dtype))
+                args.append(zeros(row_spec(comp.entry_rows, (shapes.slots, shapes.max_seq // comp.rate), comp.dim, dtype)))
         return tuple(args)
 
     def step(self, x, ids, positions, slots, caches, one_sequence=False):
@@ -651,6 +673,7 @@ class V4Model(nn.Module):
 @register_architecture(model_types=("deepseek_v4",), architectures=("DeepseekV4ForCausalLM",))
 class DeepseekV4ForCausalLM(CausalLM):
     config_class = DeepseekV4Config
+    kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self, config: DeepseekV4Config):
         super().__init__()
@@ -695,18 +718,27 @@ class DeepseekV4ForCausalLM(CausalLM):
     def cache_specs(self, slots, max_seq):
         c = self.config
         self._check_max_seq(max_seq)
-        specs = {"kv": ((c.num_hidden_layers, slots, max_seq, c.head_dim), c.dtype)}
+        rows = cache_rows(c)
+        specs = {"kv": row_spec(rows["kv"], (c.num_hidden_layers, slots, max_seq), c.head_dim, c.dtype)}
         if "hca" in self.groups:
             n = len(self.groups["hca"])
             specs["hca_kv"] = specs["hca_gate"] = ((n, slots, max_seq, c.head_dim), c.dtype)
-            specs["hca_comp"] = ((n, slots, max_seq // c.compress_rate_hca, c.head_dim), c.dtype)
+            specs["hca_comp"] = row_spec(rows["comp"], (n, slots, max_seq // c.compress_rate_hca), c.head_dim, c.dtype)
         if "csa" in self.groups:
             n, e = len(self.groups["csa"]), max_seq // c.compress_rate_csa
             specs["csa_kv"] = specs["csa_gate"] = ((n, slots, max_seq, 2 * c.head_dim), c.dtype)
-            specs["csa_comp"] = ((n, slots, e, c.head_dim), c.dtype)
+            specs["csa_comp"] = row_spec(rows["comp"], (n, slots, e), c.head_dim, c.dtype)
             specs["idx_kv"] = specs["idx_gate"] = ((n, slots, max_seq, 2 * c.index_head_dim), c.dtype)
-            specs["idx_comp"] = ((n, slots, e, c.index_head_dim), c.dtype)
+            specs["idx_comp"] = row_spec(rows["idx_comp"], (n, slots, e), c.index_head_dim, c.dtype)
         return specs
+
+    def cache_layouts(self):
+        rows = cache_rows(self.config)
+        if rows["kv"] is None:
+            return {}
+        kinds = {"kv": "kv"} | ({"hca_comp": "comp"} if "hca" in self.groups else {})
+        kinds |= {"csa_comp": "comp", "idx_comp": "idx_comp"} if "csa" in self.groups else {}
+        return {kind: rows[r].layout for kind, r in kinds.items()}
 
     def _check_max_seq(self, max_seq):
         c = self.config

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..entry import entry
 from ..errors import ConfigError
+from ..kvcache import Fp8Rows, load, row_spec, store, zeros
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
@@ -154,6 +155,13 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def fp8_rows(config: LlamaConfig) -> Fp8Rows | None:
+    """The packed row of an fp8 cache: a head's values with one scale (None: full precision)."""
+    if config.kv_cache.dtype != "fp8":
+        return None
+    return Fp8Rows(config.head_dim, config.head_dim, 0, config.kv_cache.fp8_max)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -202,6 +210,8 @@ class LlamaAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv, hd
         self.window = window  # a Python int: layers that differ compile as separate variants
         self.scale = hd**-0.5
+        # fp8 caches: a row per (token, head) packs the fp8 values and their one fp32 scale.
+        self.kv_rows = fp8_rows(config)
 
     def project(self, x, cos, sin, positions, slots, k_cache, v_cache):
         # x: [N, H] -> q: [N, heads, hd]; k, v written to cache rows (slots, positions)
@@ -209,9 +219,10 @@ class LlamaAttention(nn.Module):
         q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        # One direct indexed write per cache: k_cache[slots[i], :, positions[i]] = k[i]
-        k_cache[slots, :, positions] = k
-        v_cache[slots, :, positions] = v
+        # One direct indexed write per cache (per region of a packed one):
+        # k_cache[slots[i], :, positions[i]] = k[i]
+        store(self.kv_rows, k_cache, (slots, slice(None), positions), k)
+        store(self.kv_rows, v_cache, (slots, slice(None), positions), v)
         return q
 
     def decode(self, x, cos, sin, positions, slots, k_cache, v_cache):
@@ -220,7 +231,8 @@ class LlamaAttention(nn.Module):
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
         q = q.view(b, self.kv_heads, rep, self.head_dim)  # [B, kv, rep, hd]
         mask = visible(positions, k_cache.shape[2], self.window)[:, None, None, :]  # [B, 1, 1, S]
-        out = softmax_attend(q, k_cache[:b], v_cache[:b], mask, self.scale)  # [B, kv, rep, hd]
+        rows = (slice(None, b),)
+        out = softmax_attend(q, load(self.kv_rows, k_cache, rows, x.dtype), load(self.kv_rows, v_cache, rows, x.dtype), mask, self.scale)  # [B, kv, rep, hd]
         return self.o_proj(out.reshape(b, self.heads * self.head_dim))
 
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
@@ -228,8 +240,8 @@ class LlamaAttention(nn.Module):
         c, rep = x.shape[0], self.heads // self.kv_heads
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
-        keys = k_cache[slots[:1]].transpose(0, 1)  # [kv, 1, S, hd]
-        values = v_cache[slots[:1]].transpose(0, 1)
+        keys = load(self.kv_rows, k_cache, (slots[:1],), x.dtype).transpose(0, 1)  # [kv, 1, S, hd]
+        values = load(self.kv_rows, v_cache, (slots[:1],), x.dtype).transpose(0, 1)
         mask = visible(positions, k_cache.shape[2], self.window)  # [C, S]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep, C, hd]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
@@ -269,7 +281,7 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn
         dtype = self.input_layernorm.weight.dtype
         h = a.q_proj.in_features
-        cache = torch.zeros(shapes.slots, a.kv_heads, shapes.max_seq, a.head_dim, dtype=dtype)
+        cache = zeros(row_spec(a.kv_rows, (shapes.slots, a.kv_heads, shapes.max_seq), a.head_dim, dtype))
         positions = torch.zeros(rows, dtype=torch.long)
         return (
             torch.zeros(rows, h, dtype=dtype),
@@ -309,6 +321,7 @@ class LlamaModel(nn.Module):
 @register_architecture(model_types=("llama",), architectures=("LlamaForCausalLM",))
 class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
+    kv_cache_dtypes = ("auto", "fp8")
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -331,8 +344,12 @@ class LlamaForCausalLM(CausalLM):
 
     def cache_specs(self, slots, max_seq):
         c = self.config
-        shape = (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq, c.head_dim)
-        return {"k": (shape, c.dtype), "v": (shape, c.dtype)}
+        spec = row_spec(fp8_rows(c), (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq), c.head_dim, c.dtype)
+        return {"k": spec, "v": spec}
+
+    def cache_layouts(self):
+        rows = fp8_rows(self.config)
+        return {} if rows is None else {"k": rows.layout, "v": rows.layout}
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [N] -> cos, sin: [N, hd], as transformers computes them (float32, then cast)

@@ -10,11 +10,15 @@ from .base import GraphPass, PassResult
 from .decode_fp8_bits import DecodeFp8Bits
 from .reslice_cache_views import ResliceCacheViews
 from .rewrite_skinny_linears import RewriteSkinnyLinears
+from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
 
 PIPELINE: list[GraphPass] = [
-    # First: the passes after it, and every backend, may assume that each
-    # cache write is one index_put_ on a graph input.
+    # Packed caches become one input per dtype region: no input is viewed as
+    # another dtype after this, so the writes into it are plain views to reslice.
+    SplitDtypeRegions(),
+    # The passes after it, and every backend, may assume that each cache write
+    # is one index_put_ on a graph input.
     ResliceCacheViews(),
 ]
 

@@ -105,7 +105,8 @@ class Bundle:
             raise BundleError(f"{self.dir} was built for a {built.architecture} model; {loaded.dir} is {loaded.arch.name}")
         config_class = type(loaded.config)
         ours = dataclasses.asdict(loaded.config)
-        theirs = dataclasses.asdict(config_class.from_hf(ConfigReader(built.config, f"{self.dir}/{MANIFEST}")))
+        theirs = config_class.from_hf(ConfigReader(built.config, f"{self.dir}/{MANIFEST}"))
+        theirs = dataclasses.asdict(dataclasses.replace(theirs, kv_cache=built.kv_cache))
         for key in ours:
             if key in config_class.RUNTIME_ONLY:
                 continue

@@ -5,6 +5,9 @@ up to it with each input's pad value (padding rows' cache writes go to the
 scratch slot), calls the compiled artifact with this instance's weights, and
 slices the outputs back. Rows beyond the largest bucket run as consecutive
 calls when the entry allows it (prefill chunks), else they are an error.
+
+A packed cache (aotc.kvcache) that the graph takes as one input per region
+arrives as `Regions`, one allocation per region; each goes to its input.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from ..errors import BundleError
 from ..format import EntryRecord
+from ..kvcache import Regions
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -29,14 +33,21 @@ class Dispatcher:
         self.runners = runners
         self.weights = weights
         self.buckets = sorted(runners)
-        args = entry.artifacts[0].inputs
-        self.names = [a.name for a in args]
-        self.is_cache = [a.kind == "cache" for a in args]
-        self.pads = [a.pad for a in args]
-        self.dtypes = [_dtype(a.dtype) for a in args]
-        self.cache_layout = [(tuple(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in args]
+        inputs = entry.artifacts[0].inputs
+        # The method's arguments, in order; a packed cache's regions are consecutive inputs.
+        self.names = list(dict.fromkeys(a.region.of if a.region else a.name for a in inputs))
+        position = {name: i for i, name in enumerate(self.names)}
+        self.arg_of = [position[a.region.of if a.region else a.name] for a in inputs]
+        self.span = [(a.region.start, a.region.end) if a.region else None for a in inputs]
+        self.is_cache = [a.kind == "cache" for a in inputs]
+        self.arg_is_cache = [False] * len(self.names)
+        for i, cache in zip(self.arg_of, self.is_cache):
+            self.arg_is_cache[i] = cache
+        self.pads = [a.pad for a in inputs]
+        self.dtypes = [_dtype(a.dtype) for a in inputs]
+        self.cache_layout = [(tuple(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in inputs]
         self.single = len(entry.artifacts[0].outputs) == 1
-        self.first_act = self.is_cache.index(False)
+        self.first_act = self.arg_is_cache.index(False)
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
 
@@ -55,7 +66,7 @@ class Dispatcher:
         pieces = []
         for start in range(0, n, largest):
             m = min(largest, n - start)
-            part = [a if cache else a[start : start + m] for a, cache in zip(args, self.is_cache)]
+            part = [a if cache else a[start : start + m] for a, cache in zip(args, self.arg_is_cache)]
             pieces.append(self._run(part, m))
         if self.single:
             return torch.cat(pieces)
@@ -64,15 +75,16 @@ class Dispatcher:
     def _run(self, args, n: int):
         bucket = self.bucket_for[n]
         flat = list(self.weights)
-        for i, a in enumerate(args):
+        for i, (arg, span) in enumerate(zip(self.arg_of, self.span)):
+            a = args[arg] if span is None else self._region(args[arg], arg, span)
             if a.dtype != self.dtypes[i]:
-                raise BundleError(f"{self.entry_id}: argument {self.names[i]!r} is {a.dtype}, the graph takes {self.dtypes[i]}")
+                raise BundleError(f"{self.entry_id}: argument {self.names[arg]!r} is {a.dtype}, the graph takes {self.dtypes[i]}")
             if self.is_cache[i]:
                 shape, stride = self.cache_layout[i]
                 if a.shape != shape or a.stride() != stride:
                     # A cache with other strides than at export would run silently wrong in compiled code.
                     raise BundleError(
-                        f"{self.entry_id}: cache {self.names[i]!r} has shape {list(a.shape)} strides {list(a.stride())}, "
+                        f"{self.entry_id}: cache {self.names[arg]!r} has shape {list(a.shape)} strides {list(a.stride())}, "
                         f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
                         "contiguous slice of the cache allocated for this bundle"
                     )
@@ -86,5 +98,20 @@ class Dispatcher:
             outs = [o[:n] for o in outs]
         return outs[0] if self.single else tuple(outs)
 
+    def _region(self, arg, index: int, span: tuple[int, int]) -> torch.Tensor:
+        region = arg.tensors.get(span) if isinstance(arg, Regions) else None
+        if region is None:
+            raise BundleError(
+                f"{self.entry_id}: cache {self.names[index]!r} is packed, and the graph takes its bytes {span[0]}:{span[1]} "
+                f"as an allocation of their own; got {type(arg).__name__}. Allocate the caches with "
+                "model.allocate_caches(..., split=True), as aotc.runtime.generate does for a bound model"
+            )
+        return region
+
     def __repr__(self):
         return f"Dispatcher({self.entry_id}, buckets={self.buckets})"
+
+
+def is_bound(model: torch.nn.Module) -> bool:
+    """Whether the model's entries run compiled (Bundle.bind)."""
+    return any(isinstance(v, Dispatcher) for m in model.modules() for v in vars(m).values())

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import AotcError
 from ..models.base import CausalLM
+from .dispatch import is_bound
 
 
 @dataclass
@@ -79,7 +80,8 @@ def generate(
     slots = slots or max_batch + 1
     eos = set(getattr(model.config, "eos_token_ids", ()) if eos_ids is None else eos_ids) if stop_at_eos else set()
     device = next(model.parameters()).device
-    caches = model.allocate_caches(slots, max_seq, device)
+    # Compiled graphs take a packed cache's regions as allocations of their own.
+    caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
     result = Generation([Sequence(list(p)) for p in prompts])
     t_start = time.perf_counter()
     for g in range(0, len(prompts), max_batch):

@@ -24,6 +24,7 @@ as |compiled - eager| <= tol + tol * |eager|:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -39,6 +40,7 @@ from ..models.config import ConfigReader
 from ..models.registry import get_architecture
 from .bundle import Bundle, bound_weights
 from .check import close, tolerance_for
+from ..kvcache import Regions
 from .dispatch import Dispatcher
 
 SEED = 0
@@ -87,7 +89,7 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
     if model_dir is None and Path(manifest.model.source).is_dir():
         model_dir = manifest.model.source
     if model_dir is not None:
-        loaded = load_model(model_dir, stored=True)
+        loaded = load_model(model_dir, stored=True, kv_cache=manifest.model.kv_cache)
         bundle.check_model(loaded)
         model, weights = loaded.model, str(model_dir)
     else:
@@ -183,8 +185,19 @@ def _clone(out):
 
 
 def _run(entry, bucket: int, runner, weights, before):
+    """The artifact on a copy of the eager inputs; a packed cache goes in as its regions,
+    each a copy of its own, and comes back packed, to compare byte for byte."""
     args = [a.clone() for a in before]
-    out = Dispatcher(entry, {bucket: runner}, weights)(*args)
+    dispatcher = Dispatcher(entry, {bucket: runner}, weights)
+    spans: dict[str, dict] = {}
+    for spec in entry.artifacts[0].inputs:
+        if spec.region is not None:
+            spans.setdefault(spec.region.of, {})[(spec.region.start, spec.region.end)] = getattr(torch, spec.dtype)
+    given = [Regions.unpack(a, spans[name]) if name in spans else a for name, a in zip(dispatcher.names, args)]
+    out = dispatcher(*given)
+    for a, g in zip(args, given):
+        if isinstance(g, Regions):
+            g.pack_into(a)
     return _clone(out), args
 
 
@@ -264,8 +277,10 @@ def _to_torch(a) -> torch.Tensor:
     import ml_dtypes
     import numpy as np
 
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    special = {np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn)}
+    if a.dtype in special:
+        raw, dtype = special[a.dtype]
+        return torch.from_numpy(a.view(raw).copy()).view(dtype)
     return torch.from_numpy(a.copy())
 
 
@@ -275,6 +290,7 @@ def _to_torch(a) -> torch.Tensor:
 def _random_model(manifest: Manifest):
     arch = get_architecture(manifest.model.architecture)
     config = arch.model_class.config_class.from_hf(ConfigReader(manifest.model.config, "manifest.json: model.config"))
+    config = dataclasses.replace(config, kv_cache=manifest.model.kv_cache)
     model = arch.model_class(config).eval()
     model.init_random(torch.Generator().manual_seed(SEED))
     # Weights the graphs take as stored: quantized to the recorded format, and the
