@@ -304,8 +304,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     _drop_stale_ranges(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A split input (SplitDtypeRegions) is one placeholder per region, in its place.
-    given = [(name, None) for name in names + list(spec.params)]
-    given = [(name, r) for i, (name, _) in enumerate(given) for r in regions.get(i, [None])]
+    given = [(name, r) for i, name in enumerate(names + list(spec.params)) for r in regions.get(i, [None])]
     if len(placeholders) != len(given):
         raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(given)}")
     inputs = []
