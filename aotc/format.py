@@ -51,7 +51,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -171,7 +171,9 @@ class ExportExtra:
 
 @dataclass
 class InductorExtra:
-    target: str  # what the code was compiled for; checked at load
+    target: str  # what the code was compiled for (in the cache key)
+    march: str  # CPU code: -march as g++ resolved it ("" for CUDA)
+    isa: list[str]  # CPU code: the instruction-set extensions it may use; the loading CPU must have each
 
 
 @dataclass

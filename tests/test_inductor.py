@@ -13,7 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from aotc.backends.inductor import InductorBackend
+from aotc.backends import inductor
+from aotc.backends.inductor import PORTABLE_FLAGS, InductorBackend, compiled_isa, cpu_target
 from aotc.build import BuildOptions, build, default_backend
 from aotc.cli import app
 from aotc.errors import BundleError
@@ -39,6 +40,50 @@ def inductor_bundles(tiny_dir, tmp_path_factory):
 
 def files(result):
     return {(e.id, a.bucket): a.files for e, a in result.manifest.artifacts()}
+
+
+PORTABLE = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
+
+
+def test_the_exact_instruction_set_is_recorded_and_portable_flags_narrow_it(inductor_bundles):
+    """The manifest holds the extensions g++ enables for Inductor's flags (-march=native and
+    its vector ISA flags), resolved; --compiler-flag cpp.march/cpp.simdlen give a fleet
+    target, with another cache key."""
+    march, isa = compiled_isa({})
+    for _, a in inductor_bundles[0].manifest.artifacts():
+        assert (a.extra.march, a.extra.isa) == (march, list(isa)) and march != "native"
+    portable_march, portable = compiled_isa(PORTABLE)
+    assert portable_march == "x86-64-v3" and {"avx2", "fma"} <= set(portable) and not [f for f in portable if f.startswith("avx512")]
+    assert set(portable) <= set(isa)
+    assert cpu_target(PORTABLE) != cpu_target({})
+    assert PORTABLE_FLAGS == " ".join(f"--compiler-flag {k}={v}" for k, v in PORTABLE.items())
+
+
+def test_a_cpu_without_an_extension_the_code_uses_is_refused_at_load(inductor_bundles, monkeypatch):
+    out = inductor_bundles[0].out
+    used = inductor_bundles[0].manifest.entries[0].artifacts[0].extra.isa
+    lacking = used[-1]
+    host = inductor.host_isa()
+    monkeypatch.setattr(inductor, "host_isa", lambda: host - {lacking})
+    with pytest.raises(BundleError, match=rf"its code uses {lacking}, which this CPU lacks \(compiled with -march=.*\); .*{PORTABLE_FLAGS}"):
+        Bundle.load(out)
+    monkeypatch.setattr(inductor, "host_isa", lambda: frozenset(used) | {"somethingelse"})  # a CPU with more: fine
+    Bundle.load(out)
+
+
+@pytest.mark.slow
+def test_a_portable_build_has_no_avx512_instructions(tiny_dir, tmp_path):
+    import subprocess
+    import zipfile
+
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", use_cache=False, compiler_flags=PORTABLE, **OPTIONS))
+    for e, a in result.manifest.artifacts():
+        assert not [f for f in a.extra.isa if f.startswith("avx512")], e.id
+        with zipfile.ZipFile(result.out / a.dir / "model.pt2") as z:
+            so = next(n for n in z.namelist() if n.endswith(".so"))
+            (tmp_path / "m.so").write_bytes(z.read(so))
+        code = subprocess.run(["objdump", "-d", str(tmp_path / "m.so")], capture_output=True, text=True, check=True).stdout
+        assert "%zmm" not in code and "%ymm" in code, e.id  # AVX2 vectors, no AVX-512 ones
 
 
 def test_parallel_build_is_identical_to_serial(inductor_bundles):

@@ -70,7 +70,7 @@ def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
 def test_cpu_target_is_in_the_cache_key(tiny_dir, monkeypatch):
     options = dict(OPTIONS, backend="inductor")
     here = {(e, b): k for e, b, k in build_keys(BuildOptions(tiny_dir, **options))}
-    monkeypatch.setattr("aotc.backends.inductor.cpu_target", lambda: "x86_64-AVX2")
+    monkeypatch.setattr("aotc.backends.inductor.cpu_target", lambda config: "x86_64-haswell-isa.0-AVX2")
     other = {(e, b): k for e, b, k in build_keys(BuildOptions(tiny_dir, **options))}
     assert set(here.values()).isdisjoint(other.values())
 

@@ -9,9 +9,12 @@ scatter on the caller's cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import platform
 import re
 import shutil
+import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
@@ -32,11 +35,68 @@ SERIALIZATION_ID = ".data/serialization_id"
 _TRAILER = re.compile(rb"\n// Compile cmd\n.*\Z", re.S)
 
 
-def cpu_target() -> str:
-    """What the CPU code is compiled for (-march=native): part of the cache key."""
-    import platform
+# What a fleet of mixed x86 CPUs can share: AVX2 and FMA, no AVX-512.
+PORTABLE_FLAGS = "--compiler-flag cpp.march=x86-64-v3 --compiler-flag cpp.simdlen=256"
 
-    return f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
+
+def _normal(name: str) -> str:
+    """An extension's name as both gcc (-msse4.2) and /proc/cpuinfo (sse4_2) spell it."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+@functools.lru_cache(maxsize=None)
+def host_isa() -> frozenset[str]:
+    """This CPU's instruction-set extensions, from /proc/cpuinfo (normalized names); empty
+    where there is no /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    flags = next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "")
+    return frozenset(_normal(f) for f in flags.split())
+
+
+@functools.lru_cache(maxsize=None)
+def gcc_isa(march: str, *flags: str) -> tuple[str, tuple[str, ...]]:
+    """(-march as g++ resolves it, the instruction-set extensions it enables) for these
+    flags, by `g++ -Q --help=target` (10 ms). Kept: the extensions that this CPU's
+    /proc/cpuinfo also names, so that a loading CPU can be checked against them."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise BackendError("AOTInductor compiles C++ and no g++ or c++ is on PATH; install one (e.g. apt install g++) or use --backend export")
+    command = [cxx, *([f"-march={march}"] if march else []), *flags, "-Q", "--help=target"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    enabled = {_normal(m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", out, re.M)}
+    resolved = re.search(r"^\s+-march=\s+(\S+)", out, re.M)
+    return (resolved.group(1) if resolved else march or "default"), tuple(sorted(enabled & host_isa()))
+
+
+def _march(config: dict) -> str:
+    march = config.get("cpp.march")
+    return "native" if march is None else march  # Inductor's default
+
+
+def compiled_isa(config: dict) -> tuple[str, tuple[str, ...]]:
+    """What the code of a compile under these Inductor configs may use: its -march and the
+    vector ISA flags Inductor adds (AVX-512 or AVX2, by cpp.simdlen and the CPU). Called
+    where Inductor has compiled, so its vector ISA choice is already made (a second's
+    probe otherwise)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    with inductor_config.patch(config):
+        vector = str(pick_vec_isa().build_arch_flags()).split()
+    return gcc_isa(_march(config), *vector)
+
+
+def cpu_target(config: dict) -> str:
+    """What the CPU code is compiled for, in the cache key, without importing Inductor: the
+    machine, the resolved -march, a digest of the extensions g++ enables for it, and the
+    vector ISA that torch reports (Inductor's default choice; cpp.simdlen, which changes
+    it, is in the key with the other configs)."""
+    march, isa = gcc_isa(_march(config))
+    digest = hashlib.sha256(" ".join(isa).encode()).hexdigest()[:12]
+    return f"{platform.machine()}-{march}-isa.{digest}-{torch.backends.cpu.get_cpu_capability()}"
 
 
 @register_backend
@@ -68,7 +128,27 @@ class InductorBackend(Backend):
         if self.device == "cuda":
             major, minor = torch.cuda.get_device_capability()
             return f"cuda-sm{major}{minor}-{torch.version.cuda}"
-        return cpu_target()
+        return cpu_target(self.config)
+
+    def incompatible(self, manifest) -> str | None:
+        """CPU code runs where the CPU has every extension it was compiled with; checked from
+        /proc/cpuinfo, with no compiler (a host that only loads bundles has none)."""
+        if self.device == "cuda":
+            return super().incompatible(manifest)
+        built = manifest.backend.version
+        if not built.startswith(f"torch-{torch.__version__}-{platform.machine()}-"):
+            return f"built with inductor {built}, this machine runs torch {torch.__version__} on {platform.machine()}"
+        host = host_isa()
+        if not host:  # no /proc/cpuinfo: the torch version and machine are what can be checked
+            return None
+        for _, art in manifest.artifacts():
+            missing = sorted(set(art.extra.isa) - host)
+            if missing:
+                return (
+                    f"its code uses {', '.join(missing)}, which this CPU lacks (compiled with -march={art.extra.march}); "
+                    f"to build once for a fleet of mixed CPUs, add {PORTABLE_FLAGS}"
+                )
+        return None
 
     def can_compile(self) -> str | None:
         if self.device == "cuda":
@@ -96,7 +176,10 @@ class InductorBackend(Backend):
             raw = Path(tmp) / PACKAGE
             aoti_compile_and_package(graph.program, package_path=str(raw), inductor_configs=dict(self.config))
             normalize_package(raw, out_dir / PACKAGE)
-        return CompileResult([PACKAGE], InductorExtra(self.target()))
+        if self.device == "cuda":
+            return CompileResult([PACKAGE], InductorExtra(self.target(), "", []))
+        march, isa = compiled_isa(self.config)
+        return CompileResult([PACKAGE], InductorExtra(self.target(), march, list(isa)))
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]] | None:
         return package_inputs(art_dir / PACKAGE)
