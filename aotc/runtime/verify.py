@@ -96,9 +96,11 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
         model, weights = _random_model(manifest), "random"
     generator = torch.Generator().manual_seed(SEED)
     caches = model.allocate_caches(manifest.shapes.cache_slots, manifest.shapes.max_seq)
-    for t in caches.values():
-        if t.dtype.is_floating_point:
-            t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+    layouts = model.cache_layouts()
+    for kind, t in caches.items():  # a packed cache: each region filled as its own dtype
+        for view in layouts[kind].views(t).values() if kind in layouts else [t]:
+            if view.dtype.is_floating_point:
+                view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
     bound = bound_weights(manifest, model, path)
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     checks = []
