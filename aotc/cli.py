@@ -114,7 +114,7 @@ MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default:
 BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
-KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8 with a float32 scale per group, packed per token (DeepSeek V4: its NoPE dims, a scale per 64, RoPE dims in bf16), quantized to the target's fp8 maximum (448; trn2: 224).")
+KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8 with power-of-two float32 scales, packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 

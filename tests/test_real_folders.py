@@ -19,7 +19,6 @@ from aotc.build import BuildOptions, build
 from aotc.chat import render_user_turn
 from aotc.cli import app
 from aotc.models.generation import generation_defaults
-from aotc.models.tiny import write_tiny
 from aotc.runtime import generate
 
 from .conftest import assert_check_report
