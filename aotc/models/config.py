@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..format import KvCacheRecord
-from ..fp8 import E4M3FN_MAX
+from ..kvcache import kv_cache_record
 
 _MISSING = object()
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
@@ -44,7 +44,7 @@ class ModelConfig:
     RUNTIME_ONLY: ClassVar[tuple[str, ...]] = ("eos_token_ids",)
 
     # What the KV caches store: set by the build (--kv-cache-dtype), not by config.json.
-    kv_cache: KvCacheRecord = field(default_factory=lambda: KvCacheRecord("auto", E4M3FN_MAX), kw_only=True)
+    kv_cache: KvCacheRecord = field(default_factory=lambda: kv_cache_record("auto", "e4m3fn"), kw_only=True)
 
 
 class ConfigReader:
