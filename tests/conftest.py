@@ -111,12 +111,12 @@ def rehash(bundle) -> None:
     (bundle / "manifest.json").write_text(json.dumps(manifest))
 
 
-def swapped_copy(src, dst):
-    """A copy of a bundle whose decode artifacts for buckets 1 and 2 trade places, hashes fixed."""
+def swapped_copy(src, dst, other=2):
+    """A copy of a bundle whose decode artifacts for buckets 1 and `other` trade places, hashes fixed."""
     import shutil
 
     shutil.copytree(src, dst)
-    a, b = dst / "entries/LlamaDecoderLayer.decode/b1", dst / "entries/LlamaDecoderLayer.decode/b2"
+    a, b = dst / "entries/LlamaDecoderLayer.decode/b1", dst / f"entries/LlamaDecoderLayer.decode/b{other}"
     a.rename(dst / "swap")
     b.rename(a)
     (dst / "swap").rename(b)
