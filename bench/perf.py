@@ -1,6 +1,6 @@
 """aotc against what a user would pick instead, side by side in one run.
 
-    python bench/perf.py [--quick] [--out bench/results/perf.json]
+    python bench/perf.py [--quick] [--peers] [--out bench/results/perf.json]
 
 Sections (each a table, all in one JSON file):
   decode     decode step latency per batch bucket: eager, aotc export, aotc
@@ -33,6 +33,12 @@ Sections (each a table, all in one JSON file):
              eager fp8 cache against eager full precision (max logit
              difference, greedy agreement over 200 tokens)
 
+  peers      (with --peers) llama.cpp, built once from llama-cpp-python's
+             source distribution into --peers-cache: the ~100M model as GGUF
+             F32, F16 and Q8_0 against aotc inductor and eager, batch-1 greedy
+             decode tokens/s with the same prompt ids and threads; greedy
+             agreement at F32; issue 19's target (aotc >= llama.cpp F32)
+
 --quick runs the tiny models only, with fewer repeats and layer counts 2, 8.
 """
 
@@ -53,6 +59,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import peers  # noqa: E402
 from gptfast import from_aotc  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -261,8 +268,8 @@ def gemm_peak(n: int = 2048) -> float:
 # Issue 19's targets, per batch bucket 1-8: aotc decode within 0.4x eager's step time, and at
 # least 70% of the roofline.
 DECODE_TARGETS = {"of_eager": 0.4, "of_roofline": 0.7}
-# How the CPU decode path reads each weight at a number of rows (rewrite_skinny_linears).
-SKINNY_PATH = {1: "fused mul+sum, one pass", 2: "one W @ x.T (MKL), one pass", 4: "one W @ x.T (MKL), one pass", 8: "two W @ x.T of 4 rows: each weight read twice"}
+# How the CPU decode path reads each weight, at every batch bucket (rewrite_skinny_linears).
+SKINNY_PATH = "a mul + sum per row, fused by Inductor into one pass over each weight"
 
 
 def bench_bandwidth(models: dict[str, Path], results: dict) -> None:
@@ -284,12 +291,13 @@ def bench_bandwidth(models: dict[str, Path], results: dict) -> None:
             "batch": batch, "roofline ms": roofline_ms, "bound by": "memory" if weight_bytes / copy >= flops / peak else "compute",
             "aotc inductor ms": step["aotc inductor"], "of roofline": roofline_ms / step["aotc inductor"],
             "eager ms": step["eager"], "aotc / eager": step["aotc inductor"] / step["eager"],
-            "weight GB/s": weight_bytes / (step["aotc inductor"] / 1e3) / 1e9, "path": SKINNY_PATH.get(batch, ""),
+            "weight GB/s": weight_bytes / (step["aotc inductor"] / 1e3) / 1e9,
         }  # fmt: skip
         row["targets met"] = row["of roofline"] >= DECODE_TARGETS["of_roofline"] and row["aotc / eager"] <= DECODE_TARGETS["of_eager"]
         rows.append(row)
     misses = [
-        f"batch {r['batch']}: {r['of roofline']:.2f} of the roofline, {r['aotc / eager']:.2f}x eager ({r['path']})"
+        f"batch {r['batch']}: {r['of roofline']:.2f} of the roofline ({r['bound by']}-bound; weights read at {r['weight GB/s']:.1f} GB/s, "
+        f"copy {copy / 1e9:.1f}), {r['aotc / eager']:.2f}x eager"
         for r in rows if not r["targets met"]
     ]  # fmt: skip
     results["bandwidth"] = {
@@ -298,7 +306,7 @@ def bench_bandwidth(models: dict[str, Path], results: dict) -> None:
             "copy bandwidth": "bytes read per second by a streaming sum over a 1 GiB fp32 buffer, best of 10, this run",
             "roofline": "max(weight bytes / copy bandwidth, FLOPs / GEMM peak); GEMM peak: a 2048^3 fp32 matmul, this run",
         },
-        "targets": DECODE_TARGETS, "misses": misses, "rows": rows,
+        "decode path": SKINNY_PATH, "targets": DECODE_TARGETS, "misses": misses, "rows": rows,
     }  # fmt: skip
     table(
         f"decode against the roofline, {name} model ({weight_bytes / 1e6:.0f} MB of weights; copy {copy / 1e9:.1f} GB/s read, "
@@ -597,6 +605,67 @@ def bench_kvcache(models: dict[str, Path], root: Path, results: dict, quick: boo
 # -- output ----------------------------------------------------------------------
 
 
+# -- peers -------------------------------------------------------------------------
+
+PEER_PROMPT, PEER_NEW = 16, 128
+
+
+def bench_peers(models: dict[str, Path], root: Path, results: dict, cache: Path) -> None:
+    name = "100m" if "100m" in models else "tiny"
+    model_dir = models[name]
+    try:
+        built = peers.ensure_llama_cpp(cache, say=lambda m: console.print(m, highlight=False))
+    except peers.Skipped as e:
+        results["peers"] = {"skipped": str(e)}
+        console.print(f"peers skipped: {e}", highlight=False)
+        return
+    model = load_model(model_dir).model
+    non_embedding = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.embed_tokens"))
+    prompt = torch.randint(3, 500, (PEER_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    threads = torch.get_num_threads()
+    bundle = Bundle.load(bundle_for(model_dir, root, "inductor", batch_buckets=BUCKETS, chunk_buckets=(128,)))
+
+    def ours(bound: bool) -> dict:
+        if bound:
+            bundle.bind(model)
+        try:
+            g = generate(model, [prompt], PEER_NEW, max_batch=1, max_seq=MAX_SEQ, slots=max(BUCKETS) + 1, stop_at_eos=False)
+        finally:
+            Bundle.unbind(model)
+        return {"tokens": g.sequences[0].new_ids, "decode_s": g.decode_s, "tokens_per_s": g.decode_tokens_per_s}
+
+    runs = {("aotc inductor", "fp32"): peers.timed(lambda: ours(True)), ("eager PyTorch", "fp32"): peers.timed(lambda: ours(False))}
+    for fmt in peers.FORMATS:
+        gguf = peers.convert(built, model_dir, fmt, root)
+        runs["llama.cpp", fmt] = peers.timed(lambda: peers.decode(built, gguf, prompt, PEER_NEW, threads))
+    reference = runs["aotc inductor", "fp32"]
+    rows = []
+    for (engine, fmt), run in runs.items():
+        per_weight = 4.0 if fmt == "fp32" else peers.FORMATS[fmt][1]
+        rows.append({
+            "engine": engine, "format": fmt, "tokens/s": run["tokens_per_s"],
+            "GB/s of weights": non_embedding * per_weight * run["tokens_per_s"] / 1e9,
+            "aotc / this, tokens/s": reference["tokens_per_s"] / run["tokens_per_s"],
+            "greedy tokens equal to aotc's": f"{peers.agreement(run['tokens'], reference['tokens'])} of {PEER_NEW}",
+        })  # fmt: skip
+    f32 = runs["llama.cpp", "F32"]
+    misses = []
+    if reference["tokens_per_s"] < f32["tokens_per_s"]:
+        misses.append(f"aotc inductor decodes {reference['tokens_per_s']:.0f} tokens/s at batch 1, llama.cpp F32 {f32['tokens_per_s']:.0f}")
+    if peers.agreement(f32["tokens"], reference["tokens"]) < PEER_NEW:
+        misses.append(f"llama.cpp F32's greedy tokens differ from aotc's after {peers.agreement(f32['tokens'], reference['tokens'])}")
+    results["peers"] = {
+        "model": name, "llama_cpp_python": peers.LLAMA_CPP_PYTHON, "build": "GGML_NATIVE=ON, from the PyPI source distribution",
+        "prompt_tokens": PEER_PROMPT, "new_tokens": PEER_NEW, "threads": threads, "batch": 1,
+        "definitions": {"tokens/s": "greedy decode steps after the first token, per second, best of 3",
+                        "GB/s of weights": "every weight but the embedding table, at the format's bytes per weight, per token"},
+        "target": "aotc inductor tokens/s >= llama.cpp F32's, same model and run", "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"batch-1 greedy decode, {name} model, {PEER_PROMPT}-token prompt, {PEER_NEW} new tokens, {threads} threads", rows)
+    for miss in misses:
+        console.print(f"  target missed: {miss}", highlight=False)
+
+
 def table(title: str, rows: list[dict]) -> None:
     t = Table(title=title)
     cols = list(dict.fromkeys(k for r in rows for k in r))
@@ -618,8 +687,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
     ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
+    ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
+    ap.add_argument("--peers-cache", type=Path, default=peers.DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {peers.DEFAULT_CACHE})")
     args = ap.parse_args()
-    sections = args.sections.split(",")
+    sections = args.sections.split(",") + (["peers"] if args.peers else [])
     # Sections run now replace theirs in an existing results file; the others are kept.
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     results.update(
@@ -646,6 +717,8 @@ def main() -> None:
             bench_v4(root, results, args.quick)
         if "kvcache" in sections:
             bench_kvcache(models, root, results, args.quick)
+        if "peers" in sections:
+            bench_peers(models, root, results, args.peers_cache)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, encode(results))
     console.print(f"wrote {args.out}")

@@ -1,0 +1,181 @@
+"""llama.cpp beside aotc: the `--peers` section of bench/perf.py.
+
+    python bench/perf.py --sections peers [--peers-cache DIR]
+
+llama.cpp is what a user on a CPU would pick instead. This builds it once, from
+the source distribution of llama-cpp-python on PyPI (its vendored llama.cpp,
+GGML_NATIVE=ON, as a user installing it from source gets), into a cache folder
+keyed by the version and this CPU's instruction set. The bench's model folder is
+converted to GGUF F32, F16 and Q8_0 by llama.cpp's own convert_hf_to_gguf.py,
+and each is timed at batch 1: the same prompt ids, the same thread count, greedy
+decoding, decode tokens per second. At F32 the greedy tokens are compared with
+aotc's.
+
+Where cmake or a C++ compiler is missing, the section is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+FORMATS = {"F32": ("f32", 4.0), "F16": ("f16", 2.0), "Q8_0": ("q8_0", 34 / 32)}  # outtype, bytes per weight
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aotc" / "bench-peers"
+
+
+class Skipped(Exception):
+    """The peer cannot be built here; the message says why."""
+
+
+def missing_tools() -> str | None:
+    for tool, what in (("cmake", "cmake"), ("c++", "a C++ compiler (c++)"), ("cc", "a C compiler (cc)")):
+        if shutil.which(tool) is None:
+            return f"{what} is not on PATH; llama.cpp is built from source"
+    return None
+
+
+def build_dir(cache: Path) -> Path:
+    """Where this version, built for this CPU (GGML_NATIVE), lives in the cache."""
+    from aotc.backends.inductor import host_isa
+
+    isa = hashlib.sha256(" ".join(sorted(host_isa())).encode()).hexdigest()[:12]
+    return cache / f"llama-cpp-python-{LLAMA_CPP_PYTHON}-{platform.machine()}-{isa}"
+
+
+def _run(command: list[str], log: Path, **env: str) -> None:
+    with open(log, "a") as out:
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    if result.returncode != 0:
+        raise Skipped(f"`{' '.join(command[:6])} ...` failed (exit {result.returncode}); see {log}")
+
+
+def ensure_llama_cpp(cache: Path, say=print) -> Path:
+    """The built llama.cpp: `py/` holds the llama_cpp package with its shared
+    libraries, `converter/` llama.cpp's convert_hf_to_gguf.py (with its
+    `conversion` package and gguf-py), `convert/` the converter's Python
+    requirements. Built once into a temporary folder, then
+    renamed, so that an interrupted build leaves nothing that looks finished."""
+    done = build_dir(cache)
+    if (done / "py" / "llama_cpp").is_dir():
+        return done
+    reason = missing_tools()
+    if reason:
+        raise Skipped(reason)
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(done) + ".lock"):
+        if (done / "py" / "llama_cpp").is_dir():
+            return done
+        tmp = Path(tempfile.mkdtemp(prefix=done.name + ".tmp-", dir=cache))
+        log = cache / f"{done.name}.build.log"  # kept beside the build, failed or not
+        log.unlink(missing_ok=True)
+        try:
+            pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+            say(f"building llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution (once, a few minutes; log: {log})")
+            _run([*pip, "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp / "sdist")], log)
+            (archive,) = (tmp / "sdist").glob("llama_cpp_python-*.tar.gz")
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp / "src", filter="data")
+            (src,) = (tmp / "src").iterdir()
+            cmake_args = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+            _run([*pip, "install", "--target", str(tmp / "py"), str(src)], log, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+            # convert_hf_to_gguf.py reads the config and tokenizer through transformers.
+            _run([*pip, "install", "--target", str(tmp / "convert"), "transformers", "sentencepiece"], log)
+            # Kept of the source: llama.cpp's converter, the package it imports, and gguf-py.
+            vendored = src / "vendor" / "llama.cpp"
+            (tmp / "converter").mkdir()
+            for part in CONVERTER:
+                shutil.move(vendored / part, tmp / "converter" / part)
+            shutil.rmtree(tmp / "src")
+            shutil.rmtree(tmp / "sdist")
+            os.replace(tmp, done)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return done
+
+
+# Run in a subprocess: convert_hf_to_gguf.py picks the BPE pre-tokenizer by hashing how
+# the tokenizer splits a test string, and does not know the bench's toy tokenizer. Its
+# pre-tokenizer is byte-level with GPT-2's split, so it is declared as "gpt-2". Decoding
+# below is fed token ids, so the tokenizer does not affect the timing or the tokens.
+_CONVERT = """
+import runpy, sys
+converter, model, outtype, out = sys.argv[1:]
+sys.path[:0] = [converter, converter + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", outtype, "--outfile", out]
+runpy.run_path(converter + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert(built: Path, model_dir: Path, fmt: str, out_dir: Path) -> Path:
+    out = out_dir / f"{model_dir.name}-{fmt}.gguf"
+    if not out.is_file():
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(built / "convert"), os.environ.get("PYTHONPATH", "")])}
+        log = out_dir / f"convert-{fmt}.log"
+        with open(log, "w") as f:
+            result = subprocess.run(
+                [sys.executable, "-c", _CONVERT, str(built / "converter"), str(model_dir), FORMATS[fmt][0], str(out) + ".tmp"],
+                stdout=f, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        if result.returncode != 0:
+            raise Skipped(f"convert_hf_to_gguf.py --outtype {FORMATS[fmt][0]} failed (exit {result.returncode}); see {log}")
+        os.replace(str(out) + ".tmp", out)
+    return out
+
+
+# Greedy decoding through llama-cpp-python's low-level eval, in a subprocess that
+# imports the built package: the prompt in one batch, then one token a step.
+_DECODE = """
+import json, sys, time
+import numpy as np
+import llama_cpp
+gguf, prompt, new, threads = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + new, n_batch=len(prompt), n_threads=threads, n_threads_batch=threads, verbose=False)
+def next_token():  # the last evaluated token's logits, as llama.cpp returns them
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))))
+llm.eval(prompt)
+tokens = [next_token()]
+t0 = time.perf_counter()
+for _ in range(new - 1):
+    llm.eval(tokens[-1:])
+    tokens.append(next_token())
+print(json.dumps({"tokens": tokens, "decode_s": time.perf_counter() - t0}))
+"""
+
+
+def decode(built: Path, gguf: Path, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(built / "py"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _DECODE, str(gguf), json.dumps(prompt), str(new_tokens), str(threads)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise Skipped(f"llama.cpp decode of {gguf.name} failed: {result.stderr.strip().splitlines()[-1:]}")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out["tokens_per_s"] = (new_tokens - 1) / out["decode_s"]
+    return out
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many greedy tokens agree before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def timed(fn, repeats: int = 3) -> dict:
+    """Best of `repeats` runs by decode time (the others differ by noise only: greedy is deterministic)."""
+    runs = [fn() for _ in range(repeats)]
+    return min(runs, key=lambda r: r["decode_s"])
