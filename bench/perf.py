@@ -33,6 +33,10 @@ Sections (each a table, all in one JSON file):
              eager fp8 cache against eager full precision (max logit
              difference, greedy agreement over 200 tokens)
 
+  prefill    prefill of a 715-token prompt in chunks of 128 and of 512 (a
+             bundle per chunk length), ~100M model: aotc inductor against
+             eager and torch.compile of the gpt-fast style model; issue 20's
+             target (aotc <= 0.8x eager)
   peers      (with --peers) llama.cpp, built once from llama-cpp-python's
              source distribution into --peers-cache: the ~100M model as GGUF
              F32, F16 and Q8_0 against aotc inductor and eager, batch-1 greedy
@@ -605,6 +609,78 @@ def bench_kvcache(models: dict[str, Path], root: Path, results: dict, quick: boo
 # -- output ----------------------------------------------------------------------
 
 
+# -- prefill -----------------------------------------------------------------------
+
+PREFILL_PROMPT, PREFILL_CHUNKS, PREFILL_MAX_SEQ, PREFILL_TARGET = 715, (128, 512), 1024, 0.8
+
+
+def bench_prefill(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    """A 715-token prompt, chunk by chunk (the last one shorter: aotc pads it to the
+    bucket, torch.compile compiles its shape once more); the last token's logits of
+    each way against eager's before timing. Prefill is compute-bound: the linear
+    layers' FLOPs (2 x weights but the embedding x tokens) per second are set beside
+    a 2048^3 matmul's, measured here."""
+    name = "100m" if "100m" in models else "tiny"
+    model_dir = models[name]
+    model = load_model(model_dir).model
+    prompt = torch.randint(3, 500, (PREFILL_PROMPT,), generator=torch.Generator().manual_seed(0))
+    caches = model.allocate_caches(2, PREFILL_MAX_SEQ)
+    base = from_aotc(model)
+    base.setup_caches(1, PREFILL_MAX_SEQ)
+    tolerance = tolerance_for(torch.float32, "inductor")
+    repeats = dict(min_time=0.5 if quick else 3.0, repeats=3)
+    flops_per_token = 2 * sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.embed_tokens"))
+    peak = gemm_peak()
+    rows = []
+    for chunk in PREFILL_CHUNKS:
+        bundle = Bundle.load(bundle_for(model_dir, root / f"prefill-{chunk}", "inductor", batch_buckets=(1,), chunk_buckets=(chunk,), max_seq=PREFILL_MAX_SEQ))
+        starts = range(0, PREFILL_PROMPT, chunk)
+
+        def ours():
+            for start in starts:
+                logits = model.prefill(prompt[start : start + chunk], 0, caches, start)
+            return logits
+
+        step = torch.compile(base, fullgraph=True, dynamic=False)
+
+        def theirs():
+            with torch.no_grad():
+                for start in starts:
+                    ids = prompt[start : start + chunk]
+                    logits = step(ids[None], torch.arange(start, start + len(ids)))
+            return logits[0, -1]
+
+        expected = ours()
+        times = {"eager": timeit(ours, **repeats)}
+        bundle.bind(model)
+        torch.testing.assert_close(ours(), expected, atol=tolerance, rtol=0)
+        times["aotc inductor"] = timeit(ours, **repeats)
+        Bundle.unbind(model)
+        torch.testing.assert_close(theirs(), expected, atol=tolerance, rtol=0)
+        times["torch.compile"] = timeit(theirs, **repeats)
+        torch._dynamo.reset()
+        row = {"chunk": chunk, **{f"{k} ms": v * 1e3 for k, v in times.items()}, "aotc tokens/s": PREFILL_PROMPT / times["aotc inductor"]}
+        row["aotc/eager"] = times["aotc inductor"] / times["eager"]
+        row["aotc/torch.compile"] = times["aotc inductor"] / times["torch.compile"]
+        row["eager GFLOP/s"] = flops_per_token * PREFILL_PROMPT / times["eager"] / 1e9
+        padded = len(starts) * chunk  # aotc computes the padding rows of the last chunk too
+        row["aotc GFLOP/s, padding included"] = flops_per_token * padded / times["aotc inductor"] / 1e9
+        row["target met"] = row["aotc/eager"] <= PREFILL_TARGET
+        rows.append(row)
+    misses = [
+        f"chunk {r['chunk']}: aotc takes {r['aotc/eager']:.2f}x eager's time ({len(range(0, PREFILL_PROMPT, r['chunk'])) * r['chunk']} rows computed "
+        f"for {PREFILL_PROMPT}); eager's linear layers already run at {r['eager GFLOP/s']:.0f} GFLOP/s, {r['eager GFLOP/s'] / (peak / 1e9):.2f} of the GEMM peak"
+        for r in rows if not r["target met"]
+    ]  # fmt: skip
+    results["prefill"] = {
+        "model": name, "prompt_tokens": PREFILL_PROMPT, "max_seq": PREFILL_MAX_SEQ, "unit": "ms for the whole prompt", "gemm_peak_GFLOPs": peak / 1e9,
+        "target": f"aotc <= {PREFILL_TARGET}x eager", "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"prefill of {PREFILL_PROMPT} tokens, {name} model, batch 1 (ms for the prompt; GEMM peak {peak / 1e9:.0f} GFLOP/s; target: aotc <= {PREFILL_TARGET}x eager)", rows)
+    for miss in misses:
+        console.print(f"  target missed: {miss}", highlight=False)
+
+
 # -- peers -------------------------------------------------------------------------
 
 PEER_PROMPT, PEER_NEW = 16, 128
@@ -685,7 +761,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
     ap.add_argument("--peers-cache", type=Path, default=peers.DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {peers.DEFAULT_CACHE})")
@@ -717,6 +793,8 @@ def main() -> None:
             bench_v4(root, results, args.quick)
         if "kvcache" in sections:
             bench_kvcache(models, root, results, args.quick)
+        if "prefill" in sections:
+            bench_prefill(models, root, results, args.quick)
         if "peers" in sections:
             bench_peers(models, root, results, args.peers_cache)
     args.out.parent.mkdir(parents=True, exist_ok=True)
