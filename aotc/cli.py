@@ -310,6 +310,7 @@ def run(
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel (default: the CPUs that other processes leave free, re-read every quarter second)."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
 ):
     """Greedy generation through a bundle (or, with --eager, with the eager model). Stops at
@@ -361,7 +362,7 @@ def run(
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
             b.bind(loaded.model)
         setup_s = time.perf_counter() - t0
-        kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids)
+        kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids, threads=threads)
         if b is not None:
             kwargs.update(slots=b.cache_slots, keep_logits=check)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams

@@ -37,6 +37,11 @@ Sections (each a table, all in one JSON file):
              bundle per chunk length), ~100M model: aotc inductor against
              eager and torch.compile of the gpt-fast style model; issue 20's
              target (aotc <= 0.8x eager)
+  contention batch-1 decode tokens/s of `generate` through an inductor bundle
+             (tiny and ~100M), alone and next to a CPU-bound busy loop, with
+             torch's threads fixed at the CPU count and with aotc's default
+             (runtime/threads.py: the CPUs other processes leave free);
+             issue 20's target (busy >= 1/3 of quiet)
   peers      (with --peers) llama.cpp, built once from llama-cpp-python's
              source distribution into --peers-cache: the ~100M model as GGUF
              F32, F16 and Q8_0 against aotc inductor and eager, batch-1 greedy
@@ -681,6 +686,55 @@ def bench_prefill(models: dict[str, Path], root: Path, results: dict, quick: boo
         console.print(f"  target missed: {miss}", highlight=False)
 
 
+# -- contention ------------------------------------------------------------------
+
+CONTENTION_TOKENS, CONTENTION_TARGET = 200, 1 / 3
+# A fresh process per measurement: its thread count and OpenMP pool start clean.
+_CONTENTION_PROBE = """
+import json, statistics, sys, torch
+from aotc.models.base import load_model
+from aotc.runtime import Bundle, generate
+bundle, model_dir, new, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+b = Bundle.load(bundle)
+model = load_model(model_dir).model
+b.bind(model)
+runs = [generate(model, [[5, 6, 7, 8]], new, max_batch=1, max_seq=b.max_seq, slots=b.cache_slots, stop_at_eos=False,
+                 threads=None if threads == "auto" else int(threads)).decode_tokens_per_s for _ in range(3)]
+print(json.dumps(statistics.median(runs)))
+"""
+
+
+def bench_contention(models: dict[str, Path], root: Path, results: dict) -> None:
+    cpus = os.cpu_count() or 1
+    rows = []
+    for name, model_dir in models.items():
+        bundle = bundle_for(model_dir, root, "inductor", batch_buckets=BUCKETS, chunk_buckets=(128,))
+        new = CONTENTION_TOKENS if name == "tiny" else CONTENTION_TOKENS // 4
+        for policy in (str(cpus), "auto"):
+            row = {"model": name, "threads": f"{policy} (fixed)" if policy != "auto" else "aotc default (free CPUs)"}
+            for busy in (0, 1):
+                loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+                try:
+                    time.sleep(0.5)
+                    out = subprocess.run([sys.executable, "-c", _CONTENTION_PROBE, str(bundle), str(model_dir), str(new), policy], capture_output=True, text=True, check=True)
+                finally:
+                    for loop in loops:
+                        loop.kill()
+                        loop.wait()
+                row["busy loop" if busy else "alone"] = json.loads(out.stdout.strip().splitlines()[-1])
+            row["with / alone"] = row["busy loop"] / row["alone"]
+            row["target met"] = row["with / alone"] >= CONTENTION_TARGET
+            rows.append(row)
+    misses = [f"{r['model']}, threads {r['threads']}: {r['with / alone']:.2f} of its quiet speed" for r in rows if not r["target met"]]
+    results["contention"] = {
+        "unit": "decode tokens/s, batch 1", "cpus": cpus, "busy": "one `while True: pass` process",
+        "target": "tokens/s next to the busy loop >= 1/3 of alone", "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"batch-1 decode tokens/s, alone and next to one busy loop ({cpus} CPUs); target >= 1/3 of alone", rows)
+    for miss in misses:
+        console.print(f"  target missed: {miss}", highlight=False)
+
+
 # -- peers -------------------------------------------------------------------------
 
 PEER_PROMPT, PEER_NEW = 16, 128
@@ -761,7 +815,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill,contention")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
     ap.add_argument("--peers-cache", type=Path, default=peers.DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {peers.DEFAULT_CACHE})")
@@ -795,6 +849,8 @@ def main() -> None:
             bench_kvcache(models, root, results, args.quick)
         if "prefill" in sections:
             bench_prefill(models, root, results, args.quick)
+        if "contention" in sections:
+            bench_contention(models, root, results)
         if "peers" in sections:
             bench_peers(models, root, results, args.peers_cache)
     args.out.parent.mkdir(parents=True, exist_ok=True)

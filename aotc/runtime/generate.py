@@ -17,6 +17,7 @@ import torch
 from ..errors import AotcError
 from ..models.base import CausalLM
 from .dispatch import is_bound
+from .threads import ThreadGovernor
 
 
 @dataclass
@@ -70,10 +71,13 @@ def generate(
     eos_ids: Iterable[int] | None = None,
     keep_logits: bool = False,
     on_token: Callable[[int, Sequence], None] | None = None,
+    threads: int | None = None,
 ) -> Generation:
     """Greedy generation. Stops a sequence at any of eos_ids (default: the model
     config's eos_token_ids). on_token(i, sequence) runs after sequence i (of all
-    prompts) gains a token, for streaming."""
+    prompts) gains a token, for streaming. threads: torch's intra-op threads; by
+    default as many as other processes leave CPUs free, re-read as it runs
+    (aotc.runtime.threads); torch's count is restored at the end."""
     if max_new_tokens < 1:
         raise AotcError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
     check_lengths(prompts, max_new_tokens, max_seq)
@@ -83,26 +87,32 @@ def generate(
     # Compiled graphs take a packed cache's regions as allocations of their own.
     caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
     result = Generation([Sequence(list(p)) for p in prompts])
-    t_start = time.perf_counter()
-    for g in range(0, len(prompts), max_batch):
-        group = result.sequences[g : g + max_batch]
-        t0 = time.perf_counter()
-        logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
-        result.prefill_s += time.perf_counter() - t0
-        result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-        done = _append(group, logits, eos, keep_logits, [False] * len(group), on_token, g)
-        if g == 0:
-            result.ttft_s = time.perf_counter() - t_start
-        t0 = time.perf_counter()
-        for _ in range(1, max_new_tokens):
-            if all(done):
-                break
-            ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
-            positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group], device=device)
-            logits = model.decode(ids, positions, caches)  # [B, vocab]
-            done = _append(group, logits, eos, keep_logits, done, on_token, g)
-            result.decode_steps += 1
-        result.decode_s += time.perf_counter() - t0
+    governor = ThreadGovernor(threads)
+    try:
+        t_start = time.perf_counter()
+        for g in range(0, len(prompts), max_batch):
+            group = result.sequences[g : g + max_batch]
+            t0 = time.perf_counter()
+            governor.step()
+            logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
+            result.prefill_s += time.perf_counter() - t0
+            result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
+            done = _append(group, logits, eos, keep_logits, [False] * len(group), on_token, g)
+            if g == 0:
+                result.ttft_s = time.perf_counter() - t_start
+            t0 = time.perf_counter()
+            for _ in range(1, max_new_tokens):
+                if all(done):
+                    break
+                ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
+                positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group], device=device)
+                governor.step()
+                logits = model.decode(ids, positions, caches)  # [B, vocab]
+                done = _append(group, logits, eos, keep_logits, done, on_token, g)
+                result.decode_steps += 1
+            result.decode_s += time.perf_counter() - t0
+    finally:
+        governor.restore()
     return result
 
 
