@@ -322,8 +322,7 @@ def bench_bandwidth(models: dict[str, Path], results: dict) -> None:
         f"GEMM {peak / 1e9:.0f} GFLOP/s; targets: >= 0.7 of the roofline, <= 0.4x eager)",
         rows,
     )
-    for miss in misses:
-        console.print(f"  target missed: {miss}", highlight=False)
+    print_misses(misses)
 
 
 # -- memory ----------------------------------------------------------------------
@@ -682,8 +681,7 @@ def bench_prefill(models: dict[str, Path], root: Path, results: dict, quick: boo
         "target": f"aotc <= {PREFILL_TARGET}x eager", "misses": misses, "rows": rows,
     }  # fmt: skip
     table(f"prefill of {PREFILL_PROMPT} tokens, {name} model, batch 1 (ms for the prompt; GEMM peak {peak / 1e9:.0f} GFLOP/s; target: aotc <= {PREFILL_TARGET}x eager)", rows)
-    for miss in misses:
-        console.print(f"  target missed: {miss}", highlight=False)
+    print_misses(misses)
 
 
 # -- contention ------------------------------------------------------------------
@@ -731,8 +729,7 @@ def bench_contention(models: dict[str, Path], root: Path, results: dict) -> None
         "target": "tokens/s next to the busy loop >= 1/3 of alone", "misses": misses, "rows": rows,
     }  # fmt: skip
     table(f"batch-1 decode tokens/s, alone and next to one busy loop ({cpus} CPUs); target >= 1/3 of alone", rows)
-    for miss in misses:
-        console.print(f"  target missed: {miss}", highlight=False)
+    print_misses(misses)
 
 
 # -- peers -------------------------------------------------------------------------
@@ -792,6 +789,10 @@ def bench_peers(models: dict[str, Path], root: Path, results: dict, cache: Path)
         "target": "aotc inductor tokens/s >= llama.cpp F32's, same model and run", "misses": misses, "rows": rows,
     }  # fmt: skip
     table(f"batch-1 greedy decode, {name} model, {PEER_PROMPT}-token prompt, {PEER_NEW} new tokens, {threads} threads", rows)
+    print_misses(misses)
+
+
+def print_misses(misses: list[str]) -> None:
     for miss in misses:
         console.print(f"  target missed: {miss}", highlight=False)
 
