@@ -59,9 +59,9 @@ from torch import fx
 from .base import GraphPass, fake_val, insert_call
 
 aten = torch.ops.aten
-# Up to 8 rows, the rows' accumulators and W's block fit in AVX-512's 32
-# registers (AVX2's 16 with a spill or two); wider inputs are prefill, which
-# reads each weight block for enough rows that the GEMM is compute-bound.
+# Up to 8 rows: one accumulator register per row (16 where Inductor fuses two
+# linears that share x, as gate and up) fits AVX-512's 32 registers. Wider
+# inputs are prefill chunks, for which the GEMM is compute-bound anyway.
 MAX_ROWS = 8
 
 
