@@ -100,6 +100,7 @@ def test_inspect(built):
         (["run", "{missing}"], "no manifest.json"),
         (["run", "{bundle}", "--prompt", "{long}", "--max-new-tokens", "8"], "more than the cache holds (max_seq 192)"),
         (["run", "{bundle}", "--max-batch", "8"], "--max-batch 8: the bundle's largest batch bucket is 4"),
+        (["run", "{bundle}", "--threads", "0"], "Invalid value for '--threads': Input should be greater than or equal to 1"),
         (["run", "{model}", "--eager", "--check"], "--check compares a bundle with the eager model"),
         (["build", "{model}", "--shard", "3/2"], "--shard '3/2': expected I/N with 1 <= I <= N"),
         (["build", "{model}", "--backend", "inductor", "--compiler-flag", "simdlen"], "--compiler-flag 'simdlen': expected KEY=VALUE"),
