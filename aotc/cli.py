@@ -88,7 +88,7 @@ def init_tiny(
     console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}")
 
 
-def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, **more):
+def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, **more):
     from .build import BuildOptions, parse_buckets, parse_flags
 
     options = BuildOptions(
@@ -96,6 +96,7 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
         batch_buckets=parse_buckets(buckets, "--buckets"),
         chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
         max_seq=max_seq,
+        context_buckets=parse_buckets(context_buckets, "--context-buckets") if context_buckets is not None else None,
         backend=backend,
         device=device,
         compiler_flags=parse_flags(compiler_flag, "--compiler-flag"),
@@ -111,6 +112,10 @@ MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.
 BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
 PREFILL_CHUNK = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated.")
 MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
+CONTEXT_BUCKETS = typer.Option(
+    None, "--context-buckets",
+    help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins).",
+)  # fmt: skip
 BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
@@ -124,6 +129,7 @@ def build(
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
+    context_buckets: Optional[str] = CONTEXT_BUCKETS,
     backend: Optional[str] = BACKEND,
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
@@ -154,7 +160,7 @@ def build(
 
         model_path, hub = resolve_model(model_dir, revision)  # a Hub id may download: interruptible
         options = _build_options(
-            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin,
+            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
         )
@@ -188,7 +194,7 @@ def build(
             paths = [p for p, _ in v.instances]
             console.print(f"variant {v.entry_id} ({attrs}): {len(paths)} modules, {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}", highlight=False)
     if result.graphs_traced:
-        layers = sum(len(v.instances) for v in result.variants)
+        layers = len({(path, v.spec.method) for v in result.variants for path, _ in v.instances})  # context buckets: one instance
         console.print(
             f"traced {result.graphs_traced} graphs for {len(result.variants)} entries serving {layers} module instances "
             f"in {result.seconds:.1f} s -> {where}"
@@ -242,6 +248,7 @@ def cache_key_command(
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
+    context_buckets: Optional[str] = CONTEXT_BUCKETS,
     backend: Optional[str] = BACKEND,
     device: str = DEVICE,
     compiler_flag: list[str] = COMPILER_FLAG,
@@ -252,7 +259,7 @@ def cache_key_command(
     from .build import build_key
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, kv_cache_dtype=kv_cache_dtype)))
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype)))
     except AotcError as e:
         _fail(e)
 
@@ -574,7 +581,7 @@ def inspect(
     console.print(
         f"[bold]{bundle}[/]  format {m.format_version}  {m.model.model_class} ({m.model.architecture})  "
         f"backend {m.backend.name} {m.backend.version}\n"
-        f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  "
+        f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  context buckets {s.context}  "
         f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\n"
         f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  digest {m.digest()}"
     )

@@ -8,7 +8,13 @@ An entry method takes tensors and returns a tensor or a tuple of tensors.
 Every argument that is not named in `caches` is an activation whose dim 0 is
 the bucketed dimension: the runtime pads it up to the bucket (with `pad[name]`,
 default 0) and slices the outputs back. Caches are passed through untouched
-and written in place by the graph. The instance's parameters and buffers
+and written in place by the graph.
+
+`context="positions"` names the activation that holds each row's position in
+its sequence: such an entry is built per context bucket C (`--context-buckets`),
+each graph taking the first C positions of every cache (a view of the same
+allocation), and the runtime picks the smallest C above the largest position.
+The method reads cache lengths from its caches' shapes, so it is unchanged. The instance's parameters and buffers
 become graph inputs, so one graph serves every instance of the class.
 
 The class also provides `example_inputs(method, bucket, shapes)` returning the
@@ -36,28 +42,31 @@ class EntrySpec:
     # True for prefill (a long prompt runs chunk by chunk), False for decode.
     split: bool = False
     params: tuple[str, ...] = ()  # argument names, in order
+    context: str | None = None  # the positions argument, for an entry built per context bucket
 
     def __hash__(self):
         return hash((self.method, self.bucket, self.caches))
 
 
-def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None, split: bool = False) -> Callable:
+def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None, split: bool = False, context: str | None = None) -> Callable:
     """Mark a method as a compiled entry; see the module docstring."""
     if bucket not in BUCKET_KINDS:
         raise TraceError(f"@entry(bucket={bucket!r}): expected one of {', '.join(BUCKET_KINDS)}")
 
     def mark(fn):
         params = tuple(inspect.signature(fn).parameters)[1:]
-        for name in (*caches, *(pad or {})):
+        for name in (*caches, *(pad or {}), *([context] if context else [])):
             if name not in params:
                 raise TraceError(
                     f"@entry on {fn.__qualname__}: {name!r} is not an argument; "
                     f"its arguments are {', '.join(params)}"
                 )
+        if context in caches:
+            raise TraceError(f"@entry on {fn.__qualname__}: context={context!r} must name the positions argument, not a cache")
         kinds = {p.kind for p in list(inspect.signature(fn).parameters.values())[1:]}
         if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
             raise TraceError(f"@entry on {fn.__qualname__}: use plain positional arguments only (no *args, **kwargs)")
-        fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params)
+        fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params, context)
         return fn
 
     return mark

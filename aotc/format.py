@@ -17,8 +17,12 @@ from the compile cache and a half-understood bundle would run wrong code.
 
 Records are designed for what comes next:
   * a bucket is `dims`, a record of named static dimensions ({"batch": 4},
-    {"chunk": 128}; a context length joins them later); `bucket` is the
-    value of the dimension that the runtime pads, the entry's `bucket_kind`;
+    {"chunk": 128}, {"batch": 4, "context": 1024}); `bucket` is the value of
+    the dimension that the runtime pads, the entry's `bucket_kind`; `context`
+    is the cache positions a decode graph reads (a context bucket): an entry
+    built per context bucket is one entry per bucket, `<id>.c<context>`, and
+    names its positions argument (`context_arg`), from which the runtime
+    picks the bucket;
   * `form` says which graph an artifact holds: "static" (every shape fixed)
     or "unbacked" (data-dependent sizes kept, where a backend runs them);
   * a weight input may be derived from checkpoint tensors by a named
@@ -51,7 +55,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -231,6 +235,9 @@ class EntryRecord:
     method: str
     bucket_kind: BucketKind
     split: bool  # rows beyond the largest bucket run as consecutive calls
+    # The positions argument of an entry built per context bucket (its artifacts'
+    # dims["context"]); None: the graphs read all of max_seq.
+    context_arg: str | None
     variant: dict[str, Any]  # the attributes that set this variant apart
     instances: list[str]  # module paths that run this entry
     weights: list[WeightSpec]
@@ -287,6 +294,7 @@ class ShapesRecord:
     chunk: list[int]
     max_seq: int
     cache_slots: int  # the largest batch bucket plus one scratch slot
+    context: list[int]  # the context buckets, max_seq last
 
     def buckets(self, kind: BucketKind) -> list[int]:
         return self.batch if kind == "batch" else self.chunk
@@ -492,6 +500,12 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
                     raise error(f"{where}.files: {name!r} is missing; every {manifest.backend.name} artifact has it. Rebuild the bundle")
             if art.dims.get(entry.bucket_kind) != art.bucket:
                 raise error(f"{where}.dims: expected {{{entry.bucket_kind!r}: {art.bucket}}}, got {art.dims}; rebuild the bundle")
+            context = art.dims.get("context")
+            if (context is None) != (entry.context_arg is None) or context not in (None, *manifest.shapes.context) or context != entry.artifacts[0].dims.get("context"):
+                raise error(
+                    f"{where}.dims: context {context!r}, but entries[{i}].context_arg is {entry.context_arg!r} and shapes.context "
+                    f"is {manifest.shapes.context}: an entry's artifacts share one of those context buckets, or none. Rebuild the bundle"
+                )
     return manifest
 
 

@@ -41,6 +41,14 @@ class Shapes:
     slots: int  # cache slots: the largest batch bucket, plus one scratch slot
     max_seq: int
     device: str = "cpu"
+    # The cache positions a context-bucketed entry's graph reads (EntrySpec.context):
+    # example_inputs gives it views of the first `context` positions of max_seq caches.
+    context: int | None = None
+
+    @property
+    def positions(self) -> int:
+        """How many cache positions the example caches expose."""
+        return self.context or self.max_seq
 
 
 @dataclass
@@ -52,6 +60,7 @@ class Variant:
     spec: EntrySpec
     instances: list[tuple[str, nn.Module]]
     attributes: dict  # the differing attributes' values, when a class has several variants
+    context: int | None = None  # the context bucket (EntrySpec.context); None: all of max_seq
 
     @property
     def module(self) -> nn.Module:
@@ -274,11 +283,13 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
     module, spec = variant.module, variant.spec
     mode, already = _fake_mode_of(module)
     graph_ws, weights = _fake_weights(module, mode, already)
+    shapes = dataclasses.replace(shapes, context=variant.context)
     with mode:
         args = tuple(module.example_inputs(spec.method, bucket, shapes))
         if shapes.device != "cpu":  # the build machine needs no GPU: these are fake tensors
             weights = {k: v.to(shapes.device) for k, v in weights.items()}
-            args = tuple(a.to(shapes.device) for a in args)
+            # empty_strided, not .to(): a cache view of the first `context` positions keeps its strides.
+            args = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=shapes.device) for a in args)
     if len(args) != len(spec.params):
         raise TraceError(
             f"{variant.cls.__qualname__}.example_inputs({spec.method!r}) returned {len(args)} tensors; "

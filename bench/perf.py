@@ -42,6 +42,15 @@ Sections (each a table, all in one JSON file):
              torch's threads fixed at the CPU count and with aotc's default
              (runtime/threads.py: the CPUs other processes leave free);
              issue 20's target (busy >= 1/3 of quiet)
+  context    batch-1 decode step at positions 128 and 4000, ~100M model, in a
+             max_seq-4096 bundle (default context buckets 256, 1024, 4096)
+             against a max_seq-256 bundle, eager and torch.compile (4096
+             caches); issue 20's targets (<= 1.2x the 256 bundle at 128,
+             <= 1.1x eager at 4000)
+  overhead   tiny model (2 and 8 layers), batch 1 and 8: `generate`'s decode
+             step against the time inside its compiled graphs, and the tensors
+             the runtime allocates per step outside them; issue 20's target
+             (overhead <= 10% of the graph time at batch 1)
   peers      (with --peers) llama.cpp, built once from llama-cpp-python's
              source distribution into --peers-cache: the ~100M model as GGUF
              F32, F16 and Q8_0 against aotc inductor and eager, batch-1 greedy
@@ -78,7 +87,9 @@ from aotc import kvcache  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.base import load_model  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
-from aotc.runtime import Bundle, generate, tolerance_for  # noqa: E402
+from aotc.runtime import Bundle, Dispatcher, generate, tolerance_for  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 console = Console()
 BUCKETS = (1, 2, 4, 8)
@@ -684,6 +695,152 @@ def bench_prefill(models: dict[str, Path], root: Path, results: dict, quick: boo
     print_misses(misses)
 
 
+# -- context buckets ---------------------------------------------------------------
+
+CONTEXT_MAX_SEQ, CONTEXT_POSITIONS = 4096, (128, 4000)
+CONTEXT_TARGETS = {"long/short bundle at 128": 1.2, "aotc/eager at 4000": 1.1}
+
+
+def bench_context(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    """Batch-1 decode steps at positions 128 and 4000 in a max_seq-4096 bundle (the
+    default context buckets 256, 1024, 4096), beside a max_seq-256 bundle at 128, eager
+    and torch.compile of the gpt-fast style model with 4096-position caches. Each way's
+    logits are checked against eager's on the same caches before timing."""
+    name = "100m" if "100m" in models else "tiny"
+    model_dir = models[name]
+    model = load_model(model_dir).model
+    bundles = {n: bundle_for(model_dir, root / f"context-{n}", "inductor", batch_buckets=(1,), chunk_buckets=(128,), max_seq=n) for n in (CONTEXT_MAX_SEQ, MAX_SEQ)}
+    g = torch.Generator().manual_seed(0)
+    caches = {n: {k: torch.randn(v.shape, generator=g) for k, v in model.allocate_caches(2, n).items()} for n in bundles}
+    base = from_aotc(model)
+    base.setup_caches(1, CONTEXT_MAX_SEQ)
+    step = torch.compile(base, fullgraph=True, dynamic=False)
+    ids, tolerance = torch.tensor([7]), tolerance_for(torch.float32, "inductor")
+    repeats = dict(min_time=0.3 if quick else 1.0)
+    rows = []
+    for position in CONTEXT_POSITIONS:
+        pos = torch.tensor([position])
+        row = {"position": position}
+        expected = {n: model.decode(ids, pos, caches[n]) for n in bundles if position < n}
+        row["eager ms"] = timeit(lambda: model.decode(ids, pos, caches[CONTEXT_MAX_SEQ]), **repeats) * 1e3
+        with torch.no_grad():
+            step(ids[:, None], pos)  # compile outside the timing; its caches are its own (zeros)
+            row["torch.compile ms"] = timeit(lambda: step(ids[:, None], pos), **repeats) * 1e3
+        for n, out in bundles.items():
+            if position >= n:
+                continue
+            bundle = Bundle.load(out)
+            bundle.bind(model)
+            torch.testing.assert_close(model.decode(ids, pos, caches[n]), expected[n], atol=tolerance, rtol=0)
+            row[f"aotc max_seq {n} ms"] = timeit(lambda: model.decode(ids, pos, caches[n]), **repeats) * 1e3
+            Bundle.unbind(model)
+        read = next(c for c in Bundle.load(bundles[CONTEXT_MAX_SEQ]).manifest.shapes.context if c > position)
+        row["positions read (4096 bundle)"] = read
+        row["aotc/eager"] = row[f"aotc max_seq {CONTEXT_MAX_SEQ} ms"] / row["eager ms"]
+        row["aotc/torch.compile"] = row[f"aotc max_seq {CONTEXT_MAX_SEQ} ms"] / row["torch.compile ms"]
+        if f"aotc max_seq {MAX_SEQ} ms" in row:
+            row["4096 bundle / 256 bundle"] = row[f"aotc max_seq {CONTEXT_MAX_SEQ} ms"] / row[f"aotc max_seq {MAX_SEQ} ms"]
+        rows.append(row)
+    torch._dynamo.reset()
+    short, long = rows
+    checks = {
+        "long/short bundle at 128": (short["4096 bundle / 256 bundle"], "the max_seq-4096 bundle's step at 128 against the max_seq-256 bundle's"),
+        "aotc/eager at 4000": (long["aotc/eager"], "the max_seq-4096 bundle's step at 4000 against eager's"),
+    }
+    misses = [f"{what}: {value:.2f}x (target <= {CONTEXT_TARGETS[key]}x)" for key, (value, what) in checks.items() if value > CONTEXT_TARGETS[key]]
+    results["context"] = {
+        "model": name, "unit": "ms per batch-1 decode step", "max_seq": CONTEXT_MAX_SEQ, "targets": CONTEXT_TARGETS,
+        "figures": {key: value for key, (value, _) in checks.items()}, "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"batch-1 decode step by position, {name} model (ms); targets: 4096 bundle <= 1.2x the 256 bundle at 128, <= 1.1x eager at 4000", rows)
+    print_misses(misses)
+
+
+# -- runtime overhead --------------------------------------------------------------
+
+OVERHEAD_BATCHES, OVERHEAD_TOKENS, OVERHEAD_TARGET = (1, 8), 64, 0.10
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Counts the tensors that aten ops create outside compiled graphs: outputs whose
+    storage no input has (views and in-place results are not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.count += sum(t.untyped_storage().data_ptr() not in given for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def timed_graphs(model, clock: list) -> None:
+    """Wrap every bound graph so that clock[0] gathers the seconds spent in them while
+    clock[1] is true; allocation counting (a dispatch mode) is off inside them."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrap(run):
+        def timed(args):
+            with _disable_current_modes():
+                t0 = time.perf_counter()
+                out = run(args)
+                if clock[1]:
+                    clock[0] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    for m in model.modules():
+        for d in vars(m).values():
+            if isinstance(d, Dispatcher):
+                d.runners = {c: {b: wrap(r) for b, r in runners.items()} for c, runners in d.runners.items()}
+
+
+def bench_overhead(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    """`generate`'s decode step against the time inside its compiled graphs, at batch 1
+    and 8, and the tensors the runtime allocates per step (outside the graphs), for the
+    tiny model at 2 and 8 layers: a constant, whatever the layer count."""
+    rows = []
+    for layers in (2, 8):
+        model_dir = write_tiny(root / f"overhead-{layers}", layers=layers)
+        out = bundle_for(model_dir, root / f"overhead-{layers}", "inductor", batch_buckets=OVERHEAD_BATCHES, chunk_buckets=(128,))
+        bundle = Bundle.load(out)
+        model = load_model(model_dir).model
+        bundle.bind(model)
+        clock = [0.0, False]
+        timed_graphs(model, clock)
+        for batch in OVERHEAD_BATCHES:
+            prompts = [[5 + i, 6, 7, 8] for i in range(batch)]
+            kw = dict(max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False, threads=torch.get_num_threads())
+
+            def run():
+                clock[0], clock[1] = 0.0, False
+                return generate(model, prompts, OVERHEAD_TOKENS, on_token=lambda i, s: clock.__setitem__(1, True), **kw)
+
+            samples = []
+            for _ in range(3 if quick else 7):
+                g = run()
+                samples.append((g.decode_s / g.decode_steps, clock[0] / g.decode_steps))
+            step, graphs = min(samples)  # the quietest run: noise only adds
+            counter = AllocationCounter()
+            with counter:
+                g = run()
+            rows.append({
+                "layers": layers, "batch": batch, "step ms": step * 1e3, "in graphs ms": graphs * 1e3,
+                "overhead / graphs": (step - graphs) / graphs, "allocations per step": counter.count / g.decode_steps,
+                "target met": layers != 2 or batch != 1 or (step - graphs) / graphs <= OVERHEAD_TARGET,
+            })  # fmt: skip
+    misses = [f"tiny ({r['layers']} layers), batch {r['batch']}: overhead {r['overhead / graphs']:.0%} of the graph time" for r in rows if not r["target met"]]
+    results["overhead"] = {
+        "model": "tiny", "unit": "ms per decode step of generate, and in its compiled graphs", "target": f"overhead <= {OVERHEAD_TARGET:.0%} of the graph time at batch 1 (2 layers)",
+        "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"decode step of generate against its compiled graphs, tiny model (ms); target: overhead <= {OVERHEAD_TARGET:.0%} at batch 1", rows)
+    print_misses(misses)
+
+
 # -- contention ------------------------------------------------------------------
 
 CONTENTION_TOKENS, CONTENTION_TARGET = 200, 1 / 3
@@ -816,7 +973,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill,contention")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill,contention,context,overhead")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
     ap.add_argument("--peers-cache", type=Path, default=peers.DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {peers.DEFAULT_CACHE})")
@@ -852,6 +1009,10 @@ def main() -> None:
             bench_prefill(models, root, results, args.quick)
         if "contention" in sections:
             bench_contention(models, root, results)
+        if "context" in sections:
+            bench_context(models, root, results, args.quick)
+        if "overhead" in sections:
+            bench_overhead(models, root, results, args.quick)
         if "peers" in sections:
             bench_peers(models, root, results, args.peers_cache)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -111,14 +111,23 @@ def rehash(bundle) -> None:
     (bundle / "manifest.json").write_text(json.dumps(manifest))
 
 
-def swapped_copy(src, dst, other=2):
-    """A copy of a bundle whose decode artifacts for buckets 1 and `other` trade places, hashes fixed."""
+def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode"):
+    """A copy of a bundle whose `entry` artifacts for buckets 1 and `other` trade places, hashes fixed."""
     import shutil
 
     shutil.copytree(src, dst)
-    a, b = dst / "entries/LlamaDecoderLayer.decode/b1", dst / f"entries/LlamaDecoderLayer.decode/b{other}"
+    a, b = dst / f"entries/{entry}/b1", dst / f"entries/{entry}/b{other}"
     a.rename(dst / "swap")
     b.rename(a)
     (dst / "swap").rename(b)
     rehash(dst)
     return dst
+
+
+def record_contexts(dispatcher) -> list:
+    """The context bucket of each call of a bound entry method, in order."""
+    used = []
+    for context, runners in dispatcher.runners.items():  # new dicts: instances of one entry share theirs
+        wrap = lambda run, context=context: lambda args: used.append(context) or run(args)  # noqa: E731
+        dispatcher.runners[context] = {bucket: wrap(run) for bucket, run in runners.items()}
+    return used

@@ -80,6 +80,11 @@ def manifest(env: Env, change: Callable[[dict], None], fix_hashes: bool = False)
     return env
 
 
+def _decode(m: dict) -> dict:
+    """The manifest's decode entry (read per context bucket)."""
+    return next(e for e in m["entries"] if e["method"] == "decode")
+
+
 def artifact_file(env: Env, name: str = "program.pt2") -> Path:
     return next(env.bundle.glob(f"entries/*/b1/{name}"))
 
@@ -103,6 +108,8 @@ CASES = [
     *[Case(f"buckets-{v!r}", "cli", lambda e, v=v: build(e, "--buckets", v), "--buckets") for v in ("0", "-1", "a", "1,,x", "1.5", "1,1", "2,4,2", " ")],
     *[Case(f"prefill-chunk-{v!r}", "cli", lambda e, v=v: build(e, "--prefill-chunk", v), "--prefill-chunk") for v in ("0", "x", "16,16", "-16")],
     Case("max-seq-zero", "cli", lambda e: build(e, "--max-seq", "0"), "--max-seq"),
+    *[Case(f"context-buckets-{v!r}", "cli", lambda e, v=v: build(e, "--context-buckets", v), "--context-buckets") for v in ("0", "x", "32,32", "-32")],
+    Case("context-bucket-above-max-seq", "cli", lambda e: build(e, "--context-buckets", "32,128"), "--context-buckets 32,128: 128 is more than --max-seq 64"),
     Case("backend-unknown", "cli", lambda e: build(e, "--backend", "tpu"), "tpu"),
     Case("device-unknown", "cli", lambda e: build(e, "--device", "npu"), "--device"),
     Case("device-cuda-export", "cli", lambda e: build(e, "--device", "cuda"), "--device cuda"),
@@ -194,6 +201,8 @@ CASES = [
     Case("plugin-named-by-bundle", "bundle", lambda e: run(manifest(e, lambda m: m.update(plugins=["evil_module"]))), "--plugin evil_module"),
     Case("instance-not-in-model", "bundle", lambda e: run(manifest(e, lambda m: m["entries"][0].update(instances=["model.layers.99"]))), "model.layers.99"),
     Case("weight-stored-dtype-edited", "bundle", lambda e: run(_stored_bundle(e, lambda w: w["stored"].update(dtype="float16"))), "dequantizes to float16 in the graphs, but the model's is float32"),
+    Case("context-not-a-bucket", "bundle", lambda e: run(manifest(e, lambda m: _decode(m)["artifacts"][0]["dims"].update(context=32))), "context 32, but entries[0].context_arg is 'positions' and shapes.context is [64]"),
+    Case("context-arg-dropped", "bundle", lambda e: run(manifest(e, lambda m: _decode(m).update(context_arg=None))), "context 64, but entries[0].context_arg is None"),
     Case("cache-slots-edited", "bundle", lambda e: run(manifest(e, lambda m: m["shapes"].update(cache_slots="two"))), "cache_slots"),
     # -- cache -----------------------------------------------------------------------------
     Case("cache-ls-on-a-file", "cache", lambda e: ["cache", "ls", "--cache-dir", write(e.root / "c", "x")], "is a file, not a cache folder"),

@@ -105,7 +105,8 @@ def test_reader_round_trips_the_writer(tiny_bundle):
     assert encode(m) == (tiny_bundle.out / MANIFEST).read_bytes()
     assert list(json.loads(encode(m)))[0] == "format_version"
     decode = next(e for e in m.entries if e.id == "LlamaDecoderLayer.decode")
-    assert [a.dims for a in decode.artifacts] == [{"batch": 1}, {"batch": 2}, {"batch": 4}]
+    assert [a.dims for a in decode.artifacts] == [{"batch": 1, "context": 256}, {"batch": 2, "context": 256}, {"batch": 4, "context": 256}]
+    assert decode.context_arg == "positions" and m.shapes.context == [256]
     assert {a.form for _, a in m.artifacts()} == {"static"}
     assert all(p.uuid and p.changes >= 0 for _, a in m.artifacts() for p in a.passes)
 

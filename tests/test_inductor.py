@@ -22,12 +22,13 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
-from .conftest import assert_check_report, assert_generation_matches_eager, swapped_copy
+from .conftest import assert_check_report, assert_generation_matches_eager, record_contexts, swapped_copy
 
 pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 
-# Decode at 1 row and at 8, the most that rewrite_skinny_linears rewrites (2 to 7 rows pad to 8).
-OPTIONS = dict(batch_buckets=(1, 8), chunk_buckets=(16,), max_seq=96, backend="inductor")
+# Decode at 1 row and at 8, the most that rewrite_skinny_linears rewrites (2 to 7 rows pad to 8),
+# each reading the first 32 cache positions or all 96 (context buckets).
+OPTIONS = dict(batch_buckets=(1, 8), chunk_buckets=(16,), max_seq=96, context_buckets=(32,), backend="inductor")
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +91,19 @@ def test_a_portable_build_has_no_avx512_instructions(tiny_dir, tmp_path):
 def test_parallel_build_is_identical_to_serial(inductor_bundles):
     parallel, serial = inductor_bundles
     assert parallel.jobs == 2 and serial.jobs == 1
-    assert parallel.count("uncached") == serial.count("uncached") == 5
+    assert parallel.count("uncached") == serial.count("uncached") == 7
     assert files(parallel) == files(serial)
     assert sorted(p.relative_to(parallel.out) for p in parallel.out.rglob("*")) == sorted(p.relative_to(serial.out) for p in serial.out.rglob("*"))
-    assert len(files(parallel)) == 5
+    assert len(files(parallel)) == 7
     assert all(list(f) == ["model.pt2"] for f in files(parallel).values())
 
 
 def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
     """The inductor-cpu pipeline ran rewrite_skinny_linears: decode matmuls of 1 to 8 rows, not prefill's 16."""
     changes = {(e.id, a.bucket): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
-    assert changes[("LlamaDecoderLayer.decode", 1)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
-    assert changes[("LlamaDecoderLayer.decode", 8)]["rewrite_skinny_linears"] == 7
+    for context in (32, 96):
+        assert changes[(f"LlamaDecoderLayer.decode.c{context}", 1)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
+        assert changes[(f"LlamaDecoderLayer.decode.c{context}", 8)]["rewrite_skinny_linears"] == 7
     assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_linears"] == 0
 
 
@@ -129,6 +131,33 @@ def test_generation_token_exact(inductor_bundles, tiny_dir, lengths):
     for c, e in zip(compiled.sequences, eager.sequences):
         assert c.new_ids == e.new_ids
         torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_crosses_a_context_bucket_token_exact(inductor_bundles, tiny_dir):
+    """A sequence that grows past 32 positions moves from the graphs that read 32 cache
+    positions to those that read 96, at the step its position reaches 32; every token and
+    logit is eager's, which reads all 96."""
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(inductor_bundles[0].out)
+    manifest = bundle.manifest
+    assert manifest.shapes.context == [32, 96]
+    decode = {e.id: e for e in manifest.entries if e.method == "decode"}
+    assert sorted(decode) == ["LlamaDecoderLayer.decode.c32", "LlamaDecoderLayer.decode.c96"]
+    for context, entry in [(32, decode["LlamaDecoderLayer.decode.c32"]), (96, decode["LlamaDecoderLayer.decode.c96"])]:
+        assert entry.context_arg == "positions" and {a.dims["context"] for a in entry.artifacts} == {context}
+        caches = [i for i in entry.artifacts[0].inputs if i.kind == "cache"]
+        assert [c.shape for c in caches] == [[9, 2, context, 64]] * 2 and [c.stride for c in caches] == [[12288, 6144, 64, 1]] * 2
+    prompt = torch.randint(3, 512, (27,), generator=torch.Generator().manual_seed(5)).tolist()
+    kw = dict(max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    bundle.bind(loaded.model)
+    used = record_contexts(loaded.model.model.layers[0].decode)
+    compiled = generate(loaded.model, [prompt], 12, **kw)
+    Bundle.unbind(loaded.model)
+    eager = generate(loaded.model, [prompt], 12, **kw)
+    # Decode steps feed positions 27..37: 27..31 fit in 32 positions, 32.. need the 96.
+    assert used == [32] * 5 + [96] * 6
+    assert compiled.sequences[0].new_ids == eager.sequences[0].new_ids
+    torch.testing.assert_close(torch.stack(compiled.sequences[0].logits), torch.stack(eager.sequences[0].logits), atol=1e-4, rtol=1e-4)
 
 
 def test_near_ties_match_eager_up_to_the_tie(inductor_bundles, near_tie_dir):
@@ -226,8 +255,8 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
 def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_path):
     """A package records the inputs it was compiled for: two packages swapped (their
     sha256 fixed in the manifest) are refused before anything runs."""
-    bundle = swapped_copy(inductor_bundles[1].out, tmp_path / "swapped", other=8)
-    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 as the manifest says \(input \d+ is \(\[8,"):
+    bundle = swapped_copy(inductor_bundles[1].out, tmp_path / "swapped", other=8, entry="LlamaDecoderLayer.decode.c32")
+    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode.c32 bucket 1 as the manifest says \(input \d+ is \(\[8,"):
         Bundle.load(bundle)
 
 

@@ -14,7 +14,7 @@ from aotc.format import FORMAT_VERSION
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, Dispatcher, generate
 
-from .conftest import assert_generation_matches_eager
+from .conftest import assert_generation_matches_eager, record_contexts
 
 SENTINEL = 7.0
 
@@ -193,12 +193,49 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
-    for bucket, runner in list(layer.decode.runners.items()):
-        layer.decode.runners[bucket] = lambda args, _b=bucket, _r=runner: used.append(_b) or _r(args)
+    runners = layer.decode.runners[bundle.max_seq]  # its one context bucket
+    for bucket, runner in list(runners.items()):
+        runners[bucket] = lambda args, _b=bucket, _r=runner: used.append(_b) or _r(args)
     for batch, bucket in [(1, 1), (2, 2), (3, 4), (4, 4)]:
         used.clear()
         generate(loaded.model, prompts(*[5] * batch), 2, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots)
         assert used and set(used) == {bucket}, (batch, used)
+
+
+@pytest.fixture(scope="module")
+def context_bundle(tiny_dir, tmp_path_factory):
+    """Decode graphs that read the first 64 cache positions, and all 256."""
+    out = tmp_path_factory.mktemp("bundles") / "contexts"
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=256, context_buckets=(64,), backend="export")).out
+
+
+@pytest.mark.parametrize("lengths, contexts", [((60,), [64] * 4 + [256] * 5), ((3, 70), [256] * 9), ((3, 50), [64] * 9)])
+def test_decode_runs_the_smallest_context_bucket_that_holds_every_row(context_bundle, tiny_dir, lengths, contexts):
+    """A batch runs the context bucket of its longest sequence: a prompt of 60 decodes
+    positions 60 to 63 in 64 positions, then moves to 256; tokens and logits are eager's."""
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(context_bundle)
+    assert bundle.manifest.shapes.context == [64, 256]
+    ps = prompts(*lengths)
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    bundle.bind(loaded.model)
+    used = record_contexts(loaded.model.model.layers[1].decode)
+    compiled = generate(loaded.model, ps, 10, **kw)
+    Bundle.unbind(loaded.model)
+    eager = generate(loaded.model, ps, 10, **kw)
+    assert used == contexts
+    for c, e in zip(compiled.sequences, eager.sequences):
+        assert c.new_ids == e.new_ids
+        torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-5, rtol=1e-5)
+
+
+def test_a_position_beyond_max_seq_is_an_error(context_bundle, tiny_dir):
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(context_bundle)
+    bundle.bind(loaded.model)
+    caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    with pytest.raises(BundleError, match=r"LlamaDecoderLayer.decode: position 256 is beyond the cache \(max_seq 256\)"):
+        loaded.model.decode(torch.tensor([5]), torch.tensor([256]), caches)
 
 
 def test_check_tolerance_grows_with_the_logit():

@@ -271,8 +271,9 @@ class XlaBackend(Backend):
         call = jax.jit(exported.call)
 
         def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
-            # torch <-> jax through DLPack: no copies on the way in.
-            outs = call(*[jax.dlpack.from_dlpack(a.detach()) for a in args])
+            # torch <-> jax through DLPack: no copies on the way in, but for a cache view of a
+            # context bucket's first positions (strided; JAX takes row-major buffers only).
+            outs = call(*[jax.dlpack.from_dlpack(a.detach().contiguous()) for a in args])
             for position, new in zip(mutated, outs):
                 # The updated cache comes back as a new buffer: write it into the caller's cache.
                 args[position].copy_(torch.from_dlpack(new))

@@ -34,7 +34,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
         plugins=list(options.plugins),
         model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
-        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots),
+        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets)),
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
         passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend.pass_target())],
         graphs_traced=len(plan.tasks),
@@ -59,6 +59,7 @@ def _entry(variant: Variant, records, fp8_reading: str) -> EntryRecord:
         method=variant.spec.method,
         bucket_kind=variant.spec.bucket,
         split=variant.spec.split,
+        context_arg=variant.spec.context,
         variant=variant.attributes,
         instances=[path for path, _ in variant.instances],
         weights=[

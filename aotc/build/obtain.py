@@ -94,6 +94,7 @@ class _PortableGraph:
     entry_id: str
     bucket: int
     dim: str  # the bucket's dimension: "batch" or "chunk"
+    context: int | None  # the variant's context bucket
     key: str
     program: bytes
     inputs: list
@@ -112,7 +113,7 @@ def _portable(k: KeyedGraph) -> _PortableGraph:
         torch.export.save(program, buf)
     finally:
         program.example_inputs = example
-    return _PortableGraph(k.entry_id, k.bucket, k.variant.spec.bucket, k.key, buf.getvalue(), graph.inputs, graph.outputs, graph.passes, graph.export_s)
+    return _PortableGraph(k.entry_id, k.bucket, k.variant.spec.bucket, k.variant.context, k.key, buf.getvalue(), graph.inputs, graph.outputs, graph.passes, graph.export_s)
 
 
 def _worker(options: BuildOptions, portable: _PortableGraph, out_dir: Path | None) -> BuiltArtifact:
@@ -121,7 +122,7 @@ def _worker(options: BuildOptions, portable: _PortableGraph, out_dir: Path | Non
     program = torch.export.load(io.BytesIO(portable.program))
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
-    variant = Variant(portable.entry_id, cls=type(None), spec=None, instances=[], attributes={})
+    variant = Variant(portable.entry_id, cls=type(None), spec=None, instances=[], attributes={}, context=portable.context)
     graph = TracedGraph(variant, portable.bucket, program, portable.inputs, portable.outputs, portable.passes, portable.export_s)
     cache = LocalCache(options.cache_dir) if options.use_cache else None
     return artifact(options.make_backend(), graph, portable.key, portable.dim, out_dir, cache, options.remote_cache)
@@ -159,7 +160,8 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
     fields = {f: getattr(record, f) for f in CompiledRecord.__dataclass_fields__}
     if not isinstance(record.extra, EXTRA_TYPES[backend.name]):  # read back from a cache record: JSON data
         fields["extra"] = convert(record.extra or {}, EXTRA_TYPES[backend.name], f"cache entry {key}: extra", CacheError)
-    art = ArtifactRecord(**fields, bucket=graph.bucket, dims={dim: graph.bucket}, dir=rel, served=source)
+    dims = {dim: graph.bucket} | ({"context": graph.variant.context} if graph.variant.context else {})
+    art = ArtifactRecord(**fields, bucket=graph.bucket, dims=dims, dir=rel, served=source)
     errors = remote.errors[errors_before:] if remote else []
     return BuiltArtifact(graph.variant.entry_id, graph.bucket, time.perf_counter() - t0, size, art, source, errors, notes)
 

@@ -70,6 +70,9 @@ class BuildOptions:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     chunk_buckets: tuple[int, ...] = DEFAULT_CHUNK_BUCKETS
     max_seq: int | None = None  # default: min(max_position_embeddings, DEFAULT_MAX_SEQ), set by plan
+    # Decode graphs per context bucket (the cache positions they read); max_seq always
+    # joins. Default: powers of 4 from 256 below max_seq, then max_seq; set by plan.
+    context_buckets: tuple[int, ...] | None = None
     backend: str | None = None  # default: inductor where a C++ compiler is present, else export
     device: str = "cpu"
     compiler_flags: dict = field(default_factory=dict)  # backend options (inductor: inductor configs)
@@ -107,6 +110,20 @@ class BuildOptions:
             self.backend, why = default_backend()
             if why:
                 self.backend_note = f"using the export backend: inductor is unavailable: {why}"
+
+    def resolve_contexts(self) -> None:
+        """Fill in context_buckets from max_seq (set first): the default, or the given ones
+        checked, with max_seq added last."""
+        given = self.context_buckets
+        if given is None:
+            given = tuple(c for c in (256 * 4**k for k in range(32)) if c < self.max_seq)
+        above = [c for c in given if c > self.max_seq]
+        if above:
+            raise AotcError(
+                f"--context-buckets {','.join(map(str, given))}: {above[0]} is more than --max-seq {self.max_seq}; "
+                "a context bucket is a number of cache positions, at most max_seq"
+            )
+        self.context_buckets = tuple(sorted({*given, self.max_seq}))
 
     def buckets(self, kind: str) -> tuple[int, ...]:
         return {"batch": self.batch_buckets, "chunk": self.chunk_buckets}[kind]

@@ -7,6 +7,7 @@ headers, no value is read), finds each entry's variants, and lists the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..backends import Backend
@@ -33,6 +34,7 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
     config_dict, arch, config = parse_config(options.model_dir)
     if options.max_seq is None:
         options.max_seq = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
+    options.resolve_contexts()
     return config_dict, arch.model_class, options.make_backend()
 
 
@@ -44,6 +46,7 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
+    variants = per_context(variants, _contexts(options, loaded.model))
     tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
     return Plan(options, backend, loaded, shapes, variants, tasks)
 
@@ -52,3 +55,27 @@ def shard_of(tasks: list[tuple[Variant, int]], shard: tuple[int, int]) -> list[t
     """The i-th of n shares of the tasks: a stable split that every shard computes alike."""
     i, n = shard
     return sorted(tasks, key=lambda t: (t[0].entry_id, t[1]))[i - 1 :: n]
+
+
+def _contexts(options: BuildOptions, model) -> tuple[int, ...]:
+    """The context buckets, each a cache length the model can take (some need multiples of a block)."""
+    for c in options.context_buckets:
+        if c != options.max_seq and model.round_max_seq(c) != c:  # max_seq has its own check
+            raise AotcError(
+                f"--context-buckets: {c} is not a cache length {type(model).__name__} can take; the nearest above is "
+                f"{model.round_max_seq(c)}. Give multiples of {model.round_max_seq(1)}"
+            )
+    return options.context_buckets
+
+
+def per_context(variants: list[Variant], contexts: tuple[int, ...]) -> list[Variant]:
+    """A variant whose entry reads positions (EntrySpec.context) once per context bucket;
+    with several buckets, each is an entry of its own, `<id>.c<positions>`."""
+    out = []
+    for v in variants:
+        if v.spec.context is None:
+            out.append(v)
+            continue
+        for c in contexts:
+            out.append(dataclasses.replace(v, entry_id=f"{v.entry_id}.c{c}" if len(contexts) > 1 else v.entry_id, context=c))
+    return out

@@ -57,6 +57,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "batch": options.batch_buckets,
         "chunk": options.chunk_buckets,
         "max_seq": options.max_seq,
+        "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),
         "backend": [backend.name, backend.version(), backend.flags(), backend.pass_target()],
         "torch": torch.__version__,

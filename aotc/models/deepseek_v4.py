@@ -578,12 +578,14 @@ class Block(nn.Module):
         hc = self.hc_attn_fn.shape[1] // hidden  # the streams
         index = torch.zeros(rows, dtype=torch.long)
         args = [torch.zeros(rows, hc, hidden, dtype=dtype), index, index.clone(), index.clone()]
-        args.append(zeros(row_spec(a.kv_rows, (shapes.slots, shapes.max_seq), a.head_dim, dtype)))
+        # Decode at a context bucket reads the first `shapes.positions` positions: views of max_seq caches.
+        n = shapes.positions
+        args.append(zeros(row_spec(a.kv_rows, (shapes.slots, shapes.max_seq), a.head_dim, dtype))[:, :n])
         for comp in [getattr(a, "compressor", None), getattr(getattr(a, "indexer", None), "compressor", None)]:
             if comp is not None:
                 width = comp.wkv.out_features
-                args += [torch.zeros(shapes.slots, shapes.max_seq, width, dtype=dtype) for _ in range(2)]
-                args.append(zeros(row_spec(comp.entry_rows, (shapes.slots, shapes.max_seq // comp.rate), comp.dim, dtype)))
+                args += [torch.zeros(shapes.slots, shapes.max_seq, width, dtype=dtype)[:, :n] for _ in range(2)]
+                args.append(zeros(row_spec(comp.entry_rows, (shapes.slots, shapes.max_seq // comp.rate), comp.dim, dtype))[:, : n // comp.rate])
         return tuple(args)
 
     def step(self, x, ids, positions, slots, caches, one_sequence=False):
@@ -603,7 +605,7 @@ class SlidingBlock(Block):
 
 
 class HCABlock(Block):
-    @entry(bucket="batch", caches=("kv", "comp_kv", "comp_gate", "comp"), pad={"slots": SCRATCH_SLOT})
+    @entry(bucket="batch", caches=("kv", "comp_kv", "comp_gate", "comp"), pad={"slots": SCRATCH_SLOT}, context="positions")
     def decode(self, x, ids, positions, slots, kv, comp_kv, comp_gate, comp):
         return self.step(x, ids, positions, slots, dict(kv=kv, comp_kv=comp_kv, comp_gate=comp_gate, comp=comp))
 
@@ -615,7 +617,7 @@ class HCABlock(Block):
 class CSABlock(Block):
     CACHES = ("kv", "comp_kv", "comp_gate", "comp", "idx_kv", "idx_gate", "idx_comp")
 
-    @entry(bucket="batch", caches=CACHES, pad={"slots": SCRATCH_SLOT})
+    @entry(bucket="batch", caches=CACHES, pad={"slots": SCRATCH_SLOT}, context="positions")
     def decode(self, x, ids, positions, slots, kv, comp_kv, comp_gate, comp, idx_kv, idx_gate, idx_comp):
         caches = dict(kv=kv, comp_kv=comp_kv, comp_gate=comp_gate, comp=comp, idx_kv=idx_kv, idx_gate=idx_gate, idx_comp=idx_comp)
         return self.step(x, ids, positions, slots, caches)

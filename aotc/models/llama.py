@@ -267,7 +267,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    @entry(bucket="batch", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
+    @entry(bucket="batch", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, context="positions")
     def decode(self, x, cos, sin, positions, slots, k_cache, v_cache):
         h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -281,7 +281,7 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn
         dtype = self.input_layernorm.weight.dtype
         h = a.q_proj.in_features
-        cache = zeros(row_spec(a.kv_rows, (shapes.slots, a.kv_heads, shapes.max_seq), a.head_dim, dtype))
+        spec = row_spec(a.kv_rows, (shapes.slots, a.kv_heads, shapes.max_seq), a.head_dim, dtype)
         positions = torch.zeros(rows, dtype=torch.long)
         return (
             torch.zeros(rows, h, dtype=dtype),
@@ -289,8 +289,8 @@ class LlamaDecoderLayer(nn.Module):
             torch.zeros(rows, a.head_dim, dtype=dtype),
             positions,
             positions.clone(),
-            cache,
-            cache.clone(),
+            zeros(spec)[:, :, : shapes.positions],  # decode at a context bucket: its first positions
+            zeros(spec)[:, :, : shapes.positions],
         )
 
 

@@ -130,10 +130,14 @@ class Bundle:
     def bind(self, model: nn.Module) -> None:
         """Replace each entry method of each instance with its compiled dispatcher."""
         weights = bound_weights(self.manifest, model, self.dir)
+        # An instance's method has one entry per context bucket (or one): one dispatcher for them all.
+        graphs: dict[tuple[str, str], list] = {}
         for entry in self.manifest.entries:
             runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
-                setattr(model.get_submodule(path), entry.method, Dispatcher(entry, runners, weights[entry.id, path]))
+                graphs.setdefault((path, entry.method), []).append((entry, runners, weights[entry.id, path]))
+        for (path, method), found in graphs.items():
+            setattr(model.get_submodule(path), method, Dispatcher([(e, r) for e, r, _ in found], found[0][2]))
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
         unbound = [
             f"{path or type(m).__name__}.{method}"

@@ -3,7 +3,9 @@
 It picks the smallest bucket that fits the rows, pads the activations (dim 0)
 up to it with each input's pad value (padding rows' cache writes go to the
 scratch slot), calls the compiled artifact with this instance's weights, and
-slices the outputs back. Rows beyond the largest bucket run as consecutive
+slices the outputs back. An entry built per context bucket runs the graph of
+the smallest bucket that holds the largest position, on views of its caches'
+first positions. Rows beyond the largest bucket run as consecutive
 calls when the entry allows it (prefill chunks), else they are an error.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
@@ -27,12 +29,15 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class Dispatcher:
-    def __init__(self, entry: EntryRecord, runners: dict, weights: list[torch.Tensor]):
-        self.entry_id = entry.id
+    """One instance's entry method, run compiled. `graphs`: for each context bucket of
+    the entry (one entry record each; a single one with no context), the record and
+    its loaded artifacts by bucket."""
+
+    def __init__(self, graphs: list[tuple[EntryRecord, dict]], weights: list[torch.Tensor]):
+        entry = graphs[0][0]
+        self.entry_id = entry.id.removesuffix(f".c{entry.artifacts[0].dims.get('context')}")  # one name for every context
         self.split = entry.split
-        self.runners = runners
         self.weights = weights
-        self.buckets = sorted(runners)
         inputs = entry.artifacts[0].inputs
         # The method's arguments, in order; a packed cache's regions are consecutive inputs.
         self.names = list(dict.fromkeys(a.region.of if a.region else a.name for a in inputs))
@@ -45,9 +50,20 @@ class Dispatcher:
             self.arg_is_cache[i] = cache
         self.pads = [a.pad for a in inputs]
         self.dtypes = [_dtype(a.dtype) for a in inputs]
-        self.cache_layout = [(tuple(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in inputs]
         self.single = len(entry.artifacts[0].outputs) == 1
         self.first_act = self.arg_is_cache.index(False)
+        if entry.context_arg is not None and entry.context_arg not in position:
+            raise BundleError(f"manifest.json: entry {entry.id}: context_arg {entry.context_arg!r} is not one of its arguments; rebuild the bundle")
+        self.context_at = position.get(entry.context_arg)
+        # By context bucket (None: the entry has none): the runners by bucket, and each
+        # cache input's (shape, stride) in those graphs: the first positions of the cache.
+        self.runners, self.layouts = {}, {}
+        for record, runners in graphs:
+            context = record.artifacts[0].dims.get("context")
+            self.runners[context] = runners
+            self.layouts[context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in record.artifacts[0].inputs]
+        self.contexts = sorted(self.runners, key=lambda c: c or 0)
+        self.buckets = sorted(graphs[0][1])
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
 
@@ -56,8 +72,9 @@ class Dispatcher:
             raise TypeError(f"{self.entry_id} takes {len(self.names)} arguments ({', '.join(self.names)}), got {len(args)}")
         n = args[self.first_act].shape[0]
         largest = self.buckets[-1]
+        context = self._context(args)
         if n <= largest:
-            return self._run(args, n)
+            return self._run(context, args, n)
         if not self.split:
             raise BundleError(
                 f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
@@ -67,12 +84,26 @@ class Dispatcher:
         for start in range(0, n, largest):
             m = min(largest, n - start)
             part = [a if cache else a[start : start + m] for a, cache in zip(args, self.arg_is_cache)]
-            pieces.append(self._run(part, m))
+            pieces.append(self._run(context, part, m))
         if self.single:
             return torch.cat(pieces)
         return tuple(torch.cat(outs) for outs in zip(*pieces))
 
-    def _run(self, args, n: int):
+    def _context(self, args) -> int | None:
+        """The smallest context bucket that holds every row's position."""
+        if self.context_at is None:
+            return None
+        need = int(args[self.context_at].max()) + 1
+        for c in self.contexts:
+            if c >= need:
+                return c
+        raise BundleError(
+            f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); "
+            "rebuild with a larger --max-seq"
+        )
+
+    def _run(self, context: int | None, args, n: int):
+        layout = self.layouts[context]
         bucket = self.bucket_for[n]
         flat = list(self.weights)
         for i, (arg, span) in enumerate(zip(self.arg_of, self.span)):
@@ -80,23 +111,29 @@ class Dispatcher:
             if a.dtype != self.dtypes[i]:
                 raise BundleError(f"{self.entry_id}: argument {self.names[arg]!r} is {a.dtype}, the graph takes {self.dtypes[i]}")
             if self.is_cache[i]:
-                shape, stride = self.cache_layout[i]
-                if a.shape != shape or a.stride() != stride:
-                    # A cache with other strides than at export would run silently wrong in compiled code.
-                    raise BundleError(
-                        f"{self.entry_id}: cache {self.names[arg]!r} has shape {list(a.shape)} strides {list(a.stride())}, "
-                        f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
-                        "contiguous slice of the cache allocated for this bundle"
-                    )
+                a = self._positions_of(a, arg, *layout[i])
             else:
                 if n != bucket:
                     a = torch.cat([a, a.new_full((bucket - n, *a.shape[1:]), self.pads[i])])
                 a = a.contiguous()
             flat.append(a)
-        outs = self.runners[bucket](flat)
+        outs = self.runners[context][bucket](flat)
         if n != bucket:
             outs = [o[:n] for o in outs]
         return outs[0] if self.single else tuple(outs)
+
+    def _positions_of(self, cache: torch.Tensor, arg: int, shape: torch.Size, stride: tuple) -> torch.Tensor:
+        """The view of `cache` the graph takes: its first positions (a context bucket's), or all of it."""
+        if cache.shape == shape and cache.stride() == stride:
+            return cache
+        if cache.stride() != stride or len(cache.shape) != len(shape) or any(have < want for have, want in zip(cache.shape, shape)):
+            # A cache with other strides than at export would run silently wrong in compiled code.
+            raise BundleError(
+                f"{self.entry_id}: cache {self.names[arg]!r} has shape {list(cache.shape)} strides {list(cache.stride())}, "
+                f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
+                "contiguous slice of the cache allocated for this bundle"
+            )
+        return cache.as_strided(shape, stride)
 
     def _region(self, arg, index: int, span: tuple[int, int]) -> torch.Tensor:
         region = arg.tensors.get(span) if isinstance(arg, Regions) else None

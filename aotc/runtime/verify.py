@@ -110,7 +110,7 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
         check = ArtifactCheck(entry.id, art.bucket, n, instance_path, tolerance_for(dtype, name), lint=list(getattr(art.extra, "lint", [])))
         checks.append(check)
-        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art.bucket, caches, manifest, generator))
+        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator))
         if call is None:
             check.problems.append(f"the model's {'decode' if entry.bucket_kind == 'batch' else 'prefill'} never called {instance_path}.{entry.method}")
             continue
@@ -151,11 +151,11 @@ def _rows(bucket: int, buckets: list[int]) -> int:
     return bucket - 1 if bucket - 1 > below else bucket
 
 
-def _drive(model, kind: str, n: int, bucket: int, caches: dict, manifest: Manifest, g: torch.Generator) -> None:
-    vocab, max_seq = model.config.vocab_size, manifest.shapes.max_seq
+def _drive(model, kind: str, n: int, art, caches: dict, manifest: Manifest, g: torch.Generator) -> None:
+    vocab, max_seq, bucket = model.config.vocab_size, manifest.shapes.max_seq, art.bucket
     ids = torch.randint(0, vocab, (n,), generator=g)
-    if kind == "batch":
-        model.decode(ids, torch.randint(1, max_seq, (n,), generator=g), caches)
+    if kind == "batch":  # positions that the artifact's context bucket holds
+        model.decode(ids, torch.randint(1, art.dims.get("context", max_seq), (n,), generator=g), caches)
     else:  # a chunk after a first one, where it fits: the call also reads what the cache holds
         model.prefill(ids, 0, caches, start=bucket if bucket + n <= max_seq else 0)
 
@@ -190,7 +190,7 @@ def _run(entry, bucket: int, runner, weights, before):
     """The artifact on a copy of the eager inputs; a packed cache goes in as its regions,
     each a copy of its own, and comes back packed, to compare byte for byte."""
     args = [a.clone() for a in before]
-    dispatcher = Dispatcher(entry, {bucket: runner}, weights)
+    dispatcher = Dispatcher([(entry, {bucket: runner})], weights)
     spans: dict[str, dict] = {}
     for spec in entry.artifacts[0].inputs:
         if spec.region is not None:
