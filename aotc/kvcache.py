@@ -77,6 +77,17 @@ class RowLayout:
         return Regions.unpack(packed, {self.spans[r.name]: r.dtype for r in self.regions})
 
 
+def layer_views(cache) -> list:
+    """cache[i] for each layer i (a tensor's slices, or Regions), made once per cache and
+    kept on it: a decode step hands every layer its slice, and indexing anew would make
+    two tensors per layer and step."""
+    views = getattr(cache, "_aotc_layers", None)
+    if views is None:
+        layers = cache.shape[0] if isinstance(cache, torch.Tensor) else next(iter(cache.tensors.values())).shape[0]
+        views = cache._aotc_layers = [cache[i] for i in range(layers)]
+    return views
+
+
 class Regions:
     """A packed cache held as one allocation per region, by the region's byte range in
     the packed row (how a graph's inputs name them: format.RegionSpec). Indexing

@@ -238,6 +238,60 @@ def test_a_position_beyond_max_seq_is_an_error(context_bundle, tiny_dir):
         loaded.model.decode(torch.tensor([5]), torch.tensor([256]), caches)
 
 
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten outputs with a storage of their own (views and in-place ops make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.count += sum(t.untyped_storage().data_ptr() not in given for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _host_allocations_per_step(model_dir, out, batch: int) -> float:
+    """Tensors the runtime makes per decode step outside the graphs (which are not counted)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    loaded, bundle = load_model(model_dir), Bundle.load(out)
+    bundle.bind(loaded.model)
+    for m in loaded.model.modules():
+        for d in vars(m).values():
+            if isinstance(d, Dispatcher):
+                uncounted = lambda run: lambda args: _run_without_modes(run, args, _disable_current_modes)  # noqa: E731
+                d.runners = {c: {b: uncounted(r) for b, r in runners.items()} for c, runners in d.runners.items()}
+    counts = []
+    for new in (2, 10):  # the difference between 9 steps and 1: decode steps only
+        counter = _Allocations()
+        with counter:
+            generate(loaded.model, prompts(*[5] * batch), new, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+        counts.append(counter.count)
+    return (counts[1] - counts[0]) / 8
+
+
+def _run_without_modes(run, args, disable):
+    with disable():
+        return run(args)
+
+
+def test_host_allocations_per_decode_step_do_not_grow_with_layers(tmp_path):
+    """Inputs every layer shares are padded once a step, and a padded layer's output feeds
+    the next layer whole: at batch 3 (padded to 4) a step makes as many tensors outside
+    the graphs with 2 layers as with 6."""
+    from aotc.models.tiny import write_tiny
+
+    per_step = {}
+    for layers in (2, 6):
+        model_dir = write_tiny(tmp_path / f"tiny{layers}", layers=layers)
+        out = build(BuildOptions(model_dir, out=tmp_path / f"b{layers}", batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=64, backend="export", use_cache=False)).out
+        per_step[layers] = {batch: _host_allocations_per_step(model_dir, out, batch) for batch in (1, 3)}
+    assert per_step[2] == per_step[6], per_step
+    assert per_step[2][1] <= 6 and per_step[2][3] <= 12, per_step
+
+
 def test_check_tolerance_grows_with_the_logit():
     """tol + tol x |eager|: a bf16 logit near 10 moves in steps of 0.06, one near 0 in far finer ones."""
     from aotc.runtime.check import compare

@@ -93,6 +93,15 @@ class CausalLM(nn.Module):
         }
 
     # -- generation ----------------------------------------------------------
+    def batch_slots(self, n: int, device: torch.device | str) -> torch.Tensor:
+        """[n]: the cache slots 0..n-1 of a decode batch, made once per size and device
+        (every step passes them; compiled graphs never write an activation)."""
+        made = self.__dict__.setdefault("_batch_slots", {})
+        key = (n, str(device))
+        if key not in made:
+            made[key] = torch.arange(n, device=device)
+        return made[key]
+
     def prefill(self, ids: torch.Tensor, slot: int, caches: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
         """ids: [n] tokens at positions start..start+n-1 of the sequence in `slot`
         -> logits of the last token, [vocab] float32."""

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..entry import entry
-from ..kvcache import Fp8Rows, load, row_spec, store, zeros
+from ..kvcache import Fp8Rows, layer_views, load, row_spec, store, zeros
 from ..layout import Derived, derived
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
@@ -750,16 +750,16 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def layer_caches(self, i: int, caches: dict) -> list[torch.Tensor]:
         t = self.config.layer_types[i]
-        out = [caches["kv"][i]]
+        out = [layer_views(caches["kv"])[i]]
         group = CACHE_GROUP.get(t)
         if group:
             j = self.groups[group].index(i)
-            out += [caches[f"{group}_kv"][j], caches[f"{group}_gate"][j], caches[f"{group}_comp"][j]]
-            if group == "csa":
-                out += [caches["idx_kv"][j], caches["idx_gate"][j], caches["idx_comp"][j]]
+            kinds = [f"{group}_kv", f"{group}_gate", f"{group}_comp"] + (["idx_kv", "idx_gate", "idx_comp"] if group == "csa" else [])
+            out += [layer_views(caches[kind])[j] for kind in kinds]
         return out
 
     # -- generation ---------------------------------------------------------------
+    @torch.no_grad()  # caches are written in place, and their per-layer views kept (kvcache.layer_views)
     def run_layers(self, method, ids, positions, slots, caches):
         x = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.model.layers):
@@ -775,7 +775,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @torch.no_grad()
     def decode(self, ids, positions, caches):
-        x = self.run_layers("decode", ids, positions, torch.arange(ids.shape[0]), caches)
+        x = self.run_layers("decode", ids, positions, self.batch_slots(ids.shape[0], ids.device), caches)
         return self.final(x)
 
     @torch.no_grad()

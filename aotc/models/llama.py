@@ -20,7 +20,7 @@ from torch import nn
 
 from ..entry import entry
 from ..errors import ConfigError
-from ..kvcache import Fp8Rows, load, row_spec, store, zeros
+from ..kvcache import Fp8Rows, layer_views, load, row_spec, store, zeros
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
@@ -330,9 +330,10 @@ class LlamaForCausalLM(CausalLM):
         self.head = LMHead(config)
         if config.tie_word_embeddings:
             self.head.lm_head.weight = self.model.embed_tokens.weight
-        # Host-side RoPE, computed per step and shared by every layer; made on
-        # first use, outside any meta or fake tensor context the model was built in.
-        self.inv_freq = None
+        # Host-side RoPE: cos and sin tables by position, shared by every layer and
+        # step, made on first use (outside any meta or fake tensor context the model
+        # was built in) and grown when a position passes their end.
+        self.rope_tables = None
 
     _NAMES = {"head.norm.weight": "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
 
@@ -352,17 +353,25 @@ class LlamaForCausalLM(CausalLM):
         return {} if rows is None else {"k": rows.layout, "v": rows.layout}
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [N] -> cos, sin: [N, hd], as transformers computes them (float32, then cast)
-        if self.inv_freq is None or self.inv_freq.device != positions.device:
-            self.inv_freq = rope_inv_freq(self.config).to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        # positions: [N] -> cos, sin: [N, hd], rows of tables computed as transformers
+        # computes them per position (float32, then cast)
+        tables = self.rope_tables
+        if tables is not None and tables[0].device == positions.device:
+            try:
+                return tables[0][positions], tables[1][positions]
+            except IndexError:  # a position past the tables' end: grow them
+                pass
+        length = max(1024, 1 << int(positions.max()).bit_length())
+        freqs = torch.arange(length, device=positions.device)[:, None].float() * rope_inv_freq(self.config).to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.config.dtype), emb.sin().to(self.config.dtype)
+        self.rope_tables = (emb.cos().to(self.config.dtype), emb.sin().to(self.config.dtype))
+        return self.rope_tables[0][positions], self.rope_tables[1][positions]
 
+    @torch.no_grad()  # caches are written in place, and their per-layer views kept (kvcache.layer_views)
     def run_layers(self, method: str, x, positions, slots, caches):
         cos, sin = self.rope(positions)
-        for i, layer in enumerate(self.model.layers):
-            x = getattr(layer, method)(x, cos, sin, positions, slots, caches["k"][i], caches["v"][i])
+        for layer, k, v in zip(self.model.layers, layer_views(caches["k"]), layer_views(caches["v"])):
+            x = getattr(layer, method)(x, cos, sin, positions, slots, k, v)
         return x
 
     @torch.no_grad()
@@ -384,8 +393,7 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.no_grad()
     def decode(self, ids, positions, caches):
-        slots = torch.arange(ids.shape[0], device=ids.device)
-        x = self.run_layers("decode", self.model.embed_tokens(ids), positions, slots, caches)
+        x = self.run_layers("decode", self.model.embed_tokens(ids), positions, self.batch_slots(ids.shape[0], ids.device), caches)
         return self.head(x)
 
     @classmethod

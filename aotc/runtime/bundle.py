@@ -24,7 +24,7 @@ from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, StepMemo
 
 
 @dataclass
@@ -136,8 +136,9 @@ class Bundle:
             runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
                 graphs.setdefault((path, entry.method), []).append((entry, runners, weights[entry.id, path]))
+        memo = StepMemo()
         for (path, method), found in graphs.items():
-            setattr(model.get_submodule(path), method, Dispatcher([(e, r) for e, r, _ in found], found[0][2]))
+            setattr(model.get_submodule(path), method, Dispatcher([(e, r) for e, r, _ in found], found[0][2], memo))
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
         unbound = [
             f"{path or type(m).__name__}.{method}"

@@ -10,6 +10,14 @@ calls when the entry allows it (prefill chunks), else they are an error.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
 arrives as `Regions`, one allocation per region; each goes to its input.
+
+The dispatchers of one bound model share a `StepMemo`, so that a step's host
+work does not grow with the layer count: an input every layer takes (RoPE
+tables, positions, slots) is padded once, the context bucket of a positions
+tensor is found once, and a padded call's output feeds the next call as the
+bucket-sized tensor it is (its padding rows are padding rows' results, which
+never reach real rows: rows are independent sequences, or tokens that come
+before them).
 """
 
 from __future__ import annotations
@@ -28,13 +36,49 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+class StepMemo:
+    """What dispatchers make once and share, by the tensor it was made from (the same
+    object, unchanged in place since). It holds a reference to each such tensor, so that
+    its id is not reused while remembered, and forgets everything past LIMIT entries."""
+
+    LIMIT = 32
+
+    def __init__(self):
+        self.made: dict[tuple[int, object], tuple[torch.Tensor, int, object]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # the last padded call's
+
+    def get(self, t: torch.Tensor, what):
+        hit = self.made.get((id(t), what))
+        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
+
+    def put(self, t: torch.Tensor, what, value):
+        if len(self.made) >= self.LIMIT:
+            self.made.clear()
+        self.made[(id(t), what)] = (t, t._version, value)
+        return value
+
+    def sliced(self, outs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """The first n rows of a padded call's outputs, remembering the whole of each."""
+        views = [o[:n] for o in outs]
+        self.outputs = {id(v): (v, v._version, o) for v, o in zip(views, outs)}
+        return views
+
+    def whole(self, t: torch.Tensor, bucket: int) -> torch.Tensor | None:
+        """The bucket-sized output that `t` is the first rows of, if the last call made it."""
+        hit = self.outputs.get(id(t))
+        if hit is not None and hit[0] is t and hit[1] == t._version and hit[2].shape[0] == bucket:
+            return hit[2]
+        return None
+
+
 class Dispatcher:
     """One instance's entry method, run compiled. `graphs`: for each context bucket of
     the entry (one entry record each; a single one with no context), the record and
-    its loaded artifacts by bucket."""
+    its loaded artifacts by bucket. `memo`: shared by the dispatchers of one model."""
 
-    def __init__(self, graphs: list[tuple[EntryRecord, dict]], weights: list[torch.Tensor]):
+    def __init__(self, graphs: list[tuple[EntryRecord, dict]], weights: list[torch.Tensor], memo: StepMemo | None = None):
         entry = graphs[0][0]
+        self.memo = memo or StepMemo()
         self.entry_id = entry.id.removesuffix(f".c{entry.artifacts[0].dims.get('context')}")  # one name for every context
         self.split = entry.split
         self.weights = weights
@@ -66,6 +110,8 @@ class Dispatcher:
         self.buckets = sorted(graphs[0][1])
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
+        # Per graph input: (argument index, region span, is a cache, dtype, pad value)
+        self.plan = list(zip(self.arg_of, self.span, self.is_cache, self.dtypes, self.pads))
 
     def __call__(self, *args):
         if len(args) != len(self.names):
@@ -93,10 +139,14 @@ class Dispatcher:
         """The smallest context bucket that holds every row's position."""
         if self.context_at is None:
             return None
-        need = int(args[self.context_at].max()) + 1
+        positions = args[self.context_at]
+        found = self.memo.get(positions, "context")
+        if found is not None and found in self.runners:
+            return found
+        need = int(positions.max()) + 1
         for c in self.contexts:
             if c >= need:
-                return c
+                return self.memo.put(positions, "context", c)
         raise BundleError(
             f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); "
             "rebuild with a larger --max-seq"
@@ -105,25 +155,44 @@ class Dispatcher:
     def _run(self, context: int | None, args, n: int):
         layout = self.layouts[context]
         bucket = self.bucket_for[n]
-        flat = list(self.weights)
-        for i, (arg, span) in enumerate(zip(self.arg_of, self.span)):
+        flat = self.weights.copy()  # the runner takes the list over
+        for i, (arg, span, cache, dtype, pad) in enumerate(self.plan):
             a = args[arg] if span is None else self._region(args[arg], arg, span)
-            if a.dtype != self.dtypes[i]:
-                raise BundleError(f"{self.entry_id}: argument {self.names[arg]!r} is {a.dtype}, the graph takes {self.dtypes[i]}")
-            if self.is_cache[i]:
+            if a.dtype != dtype:
+                raise BundleError(f"{self.entry_id}: argument {self.names[arg]!r} is {a.dtype}, the graph takes {dtype}")
+            if cache:
                 a = self._positions_of(a, arg, *layout[i])
-            else:
-                if n != bucket:
-                    a = torch.cat([a, a.new_full((bucket - n, *a.shape[1:]), self.pads[i])])
+            elif n != bucket:
+                a = self._padded(a, bucket, pad)
+            elif not a.is_contiguous():
                 a = a.contiguous()
             flat.append(a)
         outs = self.runners[context][bucket](flat)
         if n != bucket:
-            outs = [o[:n] for o in outs]
+            outs = self.memo.sliced(outs, n)
         return outs[0] if self.single else tuple(outs)
 
+    def _padded(self, a: torch.Tensor, bucket: int, pad) -> torch.Tensor:
+        """`a` with padding rows up to the bucket: made once per tensor that several calls
+        take; an output of the last call as the whole it was sliced from, where the pad
+        value is the default 0 (the rows are padding's own, no value is owed them)."""
+        whole = self.memo.whole(a, bucket) if pad == 0 else None
+        if whole is not None:
+            return whole
+        found = self.memo.get(a, (bucket, pad))
+        if found is not None:
+            return found
+        out = a.new_empty((bucket, *a.shape[1:]))
+        out[: a.shape[0]] = a
+        out[a.shape[0] :] = pad
+        return self.memo.put(a, (bucket, pad), out)
+
     def _positions_of(self, cache: torch.Tensor, arg: int, shape: torch.Size, stride: tuple) -> torch.Tensor:
-        """The view of `cache` the graph takes: its first positions (a context bucket's), or all of it."""
+        """The view of `cache` the graph takes: its first positions (a context bucket's), or all
+        of it. A context bucket's view is made once per cache and kept on it."""
+        views = getattr(cache, "_aotc_first", None)
+        if views is not None and shape in views:
+            return views[shape]
         if cache.shape == shape and cache.stride() == stride:
             return cache
         if cache.stride() != stride or len(cache.shape) != len(shape) or any(have < want for have, want in zip(cache.shape, shape)):
@@ -133,7 +202,9 @@ class Dispatcher:
                 f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
                 "contiguous slice of the cache allocated for this bundle"
             )
-        return cache.as_strided(shape, stride)
+        view = cache.as_strided(shape, stride)
+        cache._aotc_first = {**(views or {}), shape: view}
+        return view
 
     def _region(self, arg, index: int, span: tuple[int, int]) -> torch.Tensor:
         region = arg.tensors.get(span) if isinstance(arg, Regions) else None

@@ -97,18 +97,22 @@ def generate(
             logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
             result.prefill_s += time.perf_counter() - t0
             result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-            done = _append(group, logits, eos, keep_logits, [False] * len(group), on_token, g)
+            ids = logits.argmax(dim=-1)
+            done = _append(group, ids.tolist(), logits, eos, keep_logits, [False] * len(group), on_token, g)
             if g == 0:
                 result.ttft_s = time.perf_counter() - t_start
             t0 = time.perf_counter()
+            # Every row steps on, finished ones too (their tokens are dropped): the next ids
+            # are the last argmax and the positions one more, no tensors made from lists.
+            positions = torch.tensor([len(s.prompt_ids) for s in group], device=device)
             for _ in range(1, max_new_tokens):
                 if all(done):
                     break
-                ids = torch.tensor([s.new_ids[-1] for s in group], device=device)
-                positions = torch.tensor([len(s.prompt_ids) + len(s.new_ids) - 1 for s in group], device=device)
                 governor.step()
                 logits = model.decode(ids, positions, caches)  # [B, vocab]
-                done = _append(group, logits, eos, keep_logits, done, on_token, g)
+                ids = logits.argmax(dim=-1)
+                done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g)
+                positions = positions + 1
                 result.decode_steps += 1
             result.decode_s += time.perf_counter() - t0
     finally:
@@ -116,8 +120,7 @@ def generate(
     return result
 
 
-def _append(group, logits, eos, keep_logits, done, on_token, first: int) -> list[bool]:
-    next_ids = logits.argmax(dim=-1).tolist()
+def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token, first: int) -> list[bool]:
     out = []
     for i, (s, token, row, finished) in enumerate(zip(group, next_ids, logits, done)):
         if not finished:
