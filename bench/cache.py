@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from perf import console, table  # noqa: E402
 
-from aotc.format import encode, write_atomic  # noqa: E402
+from aotc.format import encode, read_manifest, write_atomic  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
 
 
@@ -57,6 +57,7 @@ def main() -> None:
         t0 = time.perf_counter()
         wait(aotc(*build, "--jobs", "1", "-o", root / "cold", cache=root / "c", inductor_cache=root / "i"))
         cold = time.perf_counter() - t0
+        graphs = read_manifest(root / "cold").graphs_traced
         rows.append({"build": "cold, 1 job", "seconds": cold, "vs cold": 1.0})
 
         t0 = time.perf_counter()
@@ -72,9 +73,9 @@ def main() -> None:
         wait(aotc(*build, "--require-cache", "-o", root / "sharded", cache=root / "merged", inductor_cache=root / "i3"))
         sharded = time.perf_counter() - t0
         rows.append({"build": "2-way sharded + assemble", "seconds": sharded, "vs cold": sharded / cold})
-    table("aotc build, embedded default model, inductor, buckets 1,2,4,8 + chunk 128 (9 graphs)", rows)
+    table(f"aotc build, embedded default model, inductor, buckets 1,2,4,8 + chunk 128 ({graphs} graphs)", rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "rows": rows}))
+    write_atomic(args.out, encode({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "graphs": graphs, "rows": rows}))
     console.print(f"wrote {args.out}")
 
 
