@@ -38,8 +38,8 @@ class EntrySpec:
     bucket: str  # "batch": rows are sequences; "chunk": rows are tokens of one sequence
     caches: tuple[str, ...] = ()
     pad: dict = field(default_factory=dict)
-    # Rows beyond the largest bucket may run as consecutive calls, in order.
-    # True for prefill (a long prompt runs chunk by chunk), False for decode.
+    # The rows may run as consecutive calls, in order (the runtime picks the calls that
+    # pad least). True for prefill (a long prompt runs chunk by chunk), False for decode.
     split: bool = False
     params: tuple[str, ...] = ()  # argument names, in order
     context: str | None = None  # the positions argument, for an entry built per context bucket

@@ -202,6 +202,23 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
         assert used and set(used) == {bucket}, (batch, used)
 
 
+@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (40, [16, 16, 16]), (17, [16, 16]), (64, [64]), (8, [16])])
+def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
+    """Whole 64-token chunks, then the rest in the chunk buckets (16, 64) that compute the
+    fewest rows: 40 tokens as 16 + 16 + 8 (48 rows), not one 64; logits are eager's."""
+    loaded, bundle = bound
+    layer = loaded.model.model.layers[0]
+    used = []
+    layer.prefill.runners = {c: {b: (lambda args, _b=b, _run=run: used.append(_b) or _run(args)) for b, run in runners.items()} for c, runners in layer.prefill.runners.items()}
+    ids = torch.tensor(prompts(length)[0])
+    caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    got = loaded.model.prefill(ids, 0, caches)
+    assert used == chunks
+    Bundle.unbind(loaded.model)
+    want = loaded.model.prefill(ids, 0, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def context_bundle(tiny_dir, tmp_path_factory):
     """Decode graphs that read the first 64 cache positions, and all 256."""

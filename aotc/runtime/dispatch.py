@@ -5,8 +5,10 @@ up to it with each input's pad value (padding rows' cache writes go to the
 scratch slot), calls the compiled artifact with this instance's weights, and
 slices the outputs back. An entry built per context bucket runs the graph of
 the smallest bucket that holds the largest position, on views of its caches'
-first positions. Rows beyond the largest bucket run as consecutive
-calls when the entry allows it (prefill chunks), else they are an error.
+first positions. An entry that allows it (prefill chunks) runs its rows as
+consecutive calls: whole largest buckets, then the rest in the buckets that
+compute the fewest padding rows; for any other, rows beyond the largest
+bucket are an error.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
 arrives as `Regions`, one allocation per region; each goes to its input.
@@ -110,6 +112,9 @@ class Dispatcher:
         self.buckets = sorted(graphs[0][1])
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
+        # A split entry's rows past the last whole largest bucket, r of them: the row counts of
+        # the calls that run them with the fewest padding rows (then the fewest calls).
+        self.cover = _covers(self.buckets) if self.split else {}
         # Per graph input: (argument index, region span, is a cache, dtype, pad value)
         self.plan = list(zip(self.arg_of, self.span, self.is_cache, self.dtypes, self.pads))
 
@@ -119,21 +124,32 @@ class Dispatcher:
         n = args[self.first_act].shape[0]
         largest = self.buckets[-1]
         context = self._context(args)
-        if n <= largest:
-            return self._run(context, args, n)
         if not self.split:
-            raise BundleError(
-                f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
-                "rows per call, or rebuild with a larger bucket"
-            )
-        pieces = []
-        for start in range(0, n, largest):
-            m = min(largest, n - start)
+            if n > largest:
+                raise BundleError(
+                    f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
+                    "rows per call, or rebuild with a larger bucket"
+                )
+            return self._run(context, args, n)
+        rows = self.pieces(n)
+        if len(rows) == 1:
+            return self._run(context, args, n)
+        pieces, start = [], 0
+        for m in rows:
             part = [a if cache else a[start : start + m] for a, cache in zip(args, self.arg_is_cache)]
             pieces.append(self._run(context, part, m))
+            start += m
         if self.single:
             return torch.cat(pieces)
         return tuple(torch.cat(outs) for outs in zip(*pieces))
+
+    def pieces(self, n: int) -> list[int]:
+        """The rows of each consecutive call for n rows of a split entry: whole largest
+        buckets, then the rest in the buckets that pad it least (a prompt's tail of 203
+        tokens with chunks 128 and 512: two calls of 128, not one of 512)."""
+        largest = self.buckets[-1]
+        whole, rest = divmod(n, largest)
+        return [largest] * whole + (self.cover[rest] if rest else [])
 
     def _context(self, args) -> int | None:
         """The smallest context bucket that holds every row's position."""
@@ -218,6 +234,17 @@ class Dispatcher:
 
     def __repr__(self):
         return f"Dispatcher({self.entry_id}, buckets={self.buckets})"
+
+
+def _covers(buckets: list[int]) -> dict[int, list[int]]:
+    """For r from 1 to the largest bucket - 1: the row counts of consecutive calls that
+    run r rows with the fewest rows computed (buckets padded), then the fewest calls."""
+    best: dict[int, tuple[int, int, list[int]]] = {}
+    for r in range(1, buckets[-1]):
+        options = [(b, 1, [r]) for b in buckets if b >= r]
+        options += [(b + best[r - b][0], 1 + best[r - b][1], [b] + best[r - b][2]) for b in buckets if b < r]
+        best[r] = min(options, key=lambda o: o[:2])
+    return {r: calls for r, (_, _, calls) in best.items()}
 
 
 def is_bound(model: torch.nn.Module) -> bool:
