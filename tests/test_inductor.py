@@ -99,12 +99,15 @@ def test_parallel_build_is_identical_to_serial(inductor_bundles):
 
 
 def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
-    """The inductor-cpu pipeline ran rewrite_skinny_linears: decode matmuls of 1 to 8 rows, not prefill's 16."""
+    """The inductor-cpu pipeline ran rewrite_skinny_linears and rewrite_skinny_matmuls: decode's
+    matmuls of 1 to 8 rows (attention: 2 query heads per KV head), not prefill's 16."""
     changes = {(e.id, a.bucket): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
     for context in (32, 96):
-        assert changes[(f"LlamaDecoderLayer.decode.c{context}", 1)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
-        assert changes[(f"LlamaDecoderLayer.decode.c{context}", 8)]["rewrite_skinny_linears"] == 7
+        for bucket in (1, 8):
+            assert changes[(f"LlamaDecoderLayer.decode.c{context}", bucket)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
+            assert changes[(f"LlamaDecoderLayer.decode.c{context}", bucket)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
     assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_linears"] == 0
+    assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
 
 
 def test_packages_hold_no_weights(inductor_bundles):

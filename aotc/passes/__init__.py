@@ -9,7 +9,7 @@ from torch import fx
 from .base import GraphPass, PassResult
 from .decode_fp8_bits import DecodeFp8Bits
 from .reslice_cache_views import ResliceCacheViews
-from .rewrite_skinny_linears import RewriteSkinnyLinears
+from .rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls
 from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
 
@@ -34,7 +34,7 @@ STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
 BACKEND_PASSES: dict[str, list[GraphPass]] = {
     # CPU code is bound by weight reads in decode; accelerators want the matmul, and
     # convert fp8 themselves.
-    "inductor-cpu": [RewriteSkinnyLinears(), DecodeFp8Bits()],
+    "inductor-cpu": [RewriteSkinnyLinears(), RewriteSkinnyMatmuls(), DecodeFp8Bits()],
 }
 
 

@@ -44,8 +44,16 @@ After:
     select_1 = aten.select.int(as_strided, 0, 1)
     mul_1 = aten.mul.Tensor(w, select_1)
     sum_2 = aten.sum.dim_IntList(mul_1, [-1])
-    stack = aten.stack.default([sum_1, sum_2])
+    stack = aten.stack.default([sum_1, sum_2], 0)
     add = aten.add.Tensor(stack, b)
+
+`RewriteSkinnyMatmuls` does the same for decode attention's batched matmuls,
+q @ k^T and p @ v: `aten.matmul(a, b)` of rank >= 3 where a has at most 8
+rows (the query heads of one KV head), each row of the output becoming
+sum(a[..., m, :, None] * b, -2), so that the cache is read once for all of a
+KV head's queries. Standalone (torch.compile, 8 layers of 4 KV heads x 4096
+positions x 64, 4 query rows each): q @ k^T 3.18 -> 1.23 ms, the whole
+attention 8.70 -> 4.42 ms.
 
 Only for backends that run on the CPU through Inductor: on accelerators a
 matmul engine wants the matmul.
@@ -79,17 +87,49 @@ class RewriteSkinnyLinears(GraphPass):
             if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > MAX_ROWS:
                 continue
             with gm.graph.inserting_before(node):
-                # An identity as_strided, so that Inductor stores x (see above).
-                x = insert_call(gm.graph, aten.as_strided.default, x, list(xv.shape), list(xv.stride()), xv.storage_offset())
-                rows = []
-                for m in range(xv.shape[0]):
-                    row = insert_call(gm.graph, aten.mul.Tensor, w, insert_call(gm.graph, aten.select.int, x, 0, m))
-                    rows.append(insert_call(gm.graph, aten.sum.dim_IntList, row, [-1]))
-                out = insert_call(gm.graph, aten.stack.default, rows)
+                out = per_row(gm.graph, x, 0, lambda row: insert_call(gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, w, row), [-1]))
                 if bias is not None:
                     out = insert_call(gm.graph, aten.add.Tensor, out, bias)
-            out.meta["stack_trace"] = node.meta.get("stack_trace")
-            node.replace_all_uses_with(out)
-            gm.graph.erase_node(node)
+            replace(gm, node, out)
             changes += 1
         return changes
+
+
+class RewriteSkinnyMatmuls(GraphPass):
+    name = "rewrite_skinny_matmuls"
+
+    def run(self, gm: fx.GraphModule) -> int:
+        changes = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not aten.matmul.default:
+                continue
+            a, b = node.args[0], node.args[1]
+            av, bv = fake_val(a), fake_val(b)
+            if av.dim() < 3 or bv.dim() != av.dim() or not isinstance(av.shape[-2], int) or av.shape[-2] > MAX_ROWS:
+                continue
+            with gm.graph.inserting_before(node):
+                # Row m: a[..., m, :] as a column against b, summed over K: [..., N]
+                out = per_row(gm.graph, a, -2, lambda row: insert_call(
+                    gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, insert_call(gm.graph, aten.unsqueeze.default, row, -1), b), [-2]
+                ))  # fmt: skip
+            replace(gm, node, out)
+            changes += 1
+        return changes
+
+
+def per_row(graph: fx.Graph, x: fx.Node, dim: int, row_out) -> fx.Node:
+    """Stack row_out(x's row m) for each row m along `dim`, reading the rows from memory:
+    an identity as_strided of x first, so that Inductor stores it (see above)."""
+    xv = fake_val(x)
+    if not xv.is_contiguous():  # a view (a transpose): copied, so that the strides below are the copy's own
+        x = insert_call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
+        xv = fake_val(x)
+    x = insert_call(graph, aten.as_strided.default, x, list(xv.shape), list(xv.stride()), xv.storage_offset())
+    rows = [row_out(insert_call(graph, aten.select.int, x, dim, m)) for m in range(xv.shape[dim])]
+    return insert_call(graph, aten.stack.default, rows, dim)
+
+
+def replace(gm: fx.GraphModule, node: fx.Node, out: fx.Node) -> None:
+    out.meta["stack_trace"] = node.meta.get("stack_trace")
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)

@@ -90,3 +90,59 @@ def test_inductor_reads_the_weight_once_for_every_row():
     assert len(re.findall(rf"loadu\(in_ptr\d+ \+ static_cast<int64_t>\(x1 \+ {k}L\*x0\)", loop)) == 1, loop  # W, once
     assert loop.count("loadu(") == rows + 1, loop  # and each row of the stored x once
     assert "rsqrt" not in loop, loop
+
+
+class Attention(nn.Module):
+    """Decode attention of one sequence: `rep` query heads per KV head against the cache."""
+
+    def forward(self, q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)  # [B, kv, rep, S]
+        return p @ v
+
+
+@pytest.mark.parametrize("rep", [1, 4, 8])
+def test_skinny_attention_matmuls_are_rewritten(rep):
+    """q @ k^T and p @ v: each query row a mul + sum over the cache, stacked."""
+    from aotc.passes.rewrite_skinny_linears import RewriteSkinnyMatmuls
+
+    q, k, v = torch.randn(1, 2, rep, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    gm = torch.export.export(Attention(), (q, k, v), strict=False).module()
+    expected = Attention()(q, k, v)
+    result = RewriteSkinnyMatmuls()(gm)
+    assert result.changes == 2 and aten.matmul.default not in ops(gm) and aten.bmm.default not in ops(gm)
+    sums = [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert len(sums) == 2 * rep and all(n.args[1] == [-2] for n in sums)
+    torch.testing.assert_close(gm(q, k, v), expected)
+
+
+def test_wide_matmuls_are_left_alone():
+    """Prefill's queries (a chunk of rows per head) stay a matmul."""
+    from aotc.passes.rewrite_skinny_linears import RewriteSkinnyMatmuls
+
+    q, k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    gm = torch.export.export(Attention(), (q, k, v), strict=False).module()
+    assert RewriteSkinnyMatmuls()(gm).changes == 0 and ops(gm).count(aten.matmul.default) == 2
+
+
+class SinkAttention(nn.Module):
+    """DeepSeek V4's attention: a softmax with a sink column, sliced off; and its
+    hyper-connection mix, a transposed intermediate times the streams."""
+
+    def forward(self, q, k, sink, c, s):
+        scores = q @ k.transpose(-1, -2)  # [N, H, S]
+        probs = torch.softmax(torch.cat([scores, sink.expand(q.shape[0], -1, 1)], -1), -1)[..., :-1]
+        return probs @ k, c.softmax(-1).transpose(-1, -2) @ s
+
+
+@pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
+def test_views_that_are_not_contiguous_compile_to_the_same_numbers():
+    """The rows of a view that is not contiguous (a slice, a transpose) are read from a
+    contiguous copy: an identity as_strided of the view itself compiled to the wrong
+    elements in DeepSeek V4's decode."""
+    from aotc.passes.rewrite_skinny_linears import RewriteSkinnyMatmuls
+
+    args = (torch.randn(1, 4, 16), torch.randn(1, 24, 16), torch.randn(1, 4, 1), torch.randn(1, 2, 2), torch.randn(1, 2, 32))
+    gm = torch.export.export(SinkAttention(), args, strict=False).module()
+    assert RewriteSkinnyMatmuls()(gm).changes == 3
+    with torch.no_grad():
+        torch.testing.assert_close(torch._inductor.compile(gm, list(args))(*args), SinkAttention()(*args))
