@@ -14,6 +14,12 @@ Then the same weights at 1 row stored as fp8 with a scale per 128 x 128 block
 xla graphs run), and by moving bits (what aotc/passes/decode_fp8_bits.py makes
 of that conversion on the CPU), against fp32. Bytes per second count the bytes
 stored (1 per fp8 weight, 4 per fp32 one).
+
+Then decode attention (what rewrite_skinny_matmuls is for): 8 layers of one
+sequence's GQA attention, 4 KV heads x 4096 cached positions x 64, at 1, 2,
+4 and 8 query heads per KV head: q @ k^T, softmax, p @ v as torch.compile
+makes them (MKL batched matmuls) against the graph the pass makes; bytes
+per second count the keys and values read.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from perf import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
 from aotc import quant  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.passes.decode_fp8_bits import MASK  # noqa: E402
-from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears  # noqa: E402
+from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls  # noqa: E402
 
 
 class Linears(torch.nn.Module):
@@ -95,6 +101,38 @@ def bench_fp8(weights, g) -> list[dict]:
     return rows
 
 
+class Attention(torch.nn.Module):
+    """Decode attention of one sequence, layer after layer: q [1, kv, rep, hd] against
+    each layer's k, v [1, kv, S, hd] (the shapes of aotc's Llama decode graphs)."""
+
+    def forward(self, q, ks, vs):
+        return [torch.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1) @ v for k, v in zip(ks, vs)]
+
+
+def bench_attention(g, layers: int = 8, kv: int = 4, positions: int = 4096) -> list[dict]:
+    ks = [torch.randn(1, kv, positions, 64, generator=g) for _ in range(layers)]
+    vs = [torch.randn(1, kv, positions, 64, generator=g) for _ in range(layers)]
+    nbytes = 2 * layers * kv * positions * 64 * 4
+    rows = []
+    for rep in (1, 2, 4, 8):
+        q = torch.randn(1, kv, rep, 64, generator=g)
+        gm = torch.export.export(Attention(), (q, ks, vs), strict=False).module()
+        assert RewriteSkinnyMatmuls()(gm).changes == 2 * layers
+        row = {"query heads per KV head": rep}
+        expected = Attention()(q, ks, vs)[0]
+        for name, fn in (("matmul (MKL)", Attention()), ("aotc rewrite", gm)):
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+            torch.testing.assert_close(compiled(q, ks, vs)[0], expected, atol=1e-4, rtol=1e-4)
+            seconds = timeit(lambda: compiled(q, ks, vs), min_time=1.0)
+            row[f"{name} ms"] = seconds * 1e3
+            row[f"{name} GB/s"] = nbytes / seconds / 1e9
+            torch._dynamo.reset()
+        row["speedup"] = row["matmul (MKL) ms"] / row["aotc rewrite ms"]
+        rows.append(row)
+    table(f"decode attention, {layers} layers x {kv} KV heads x {positions} positions x 64 ({nbytes / 1e6:.0f} MB of k, v), compiled by Inductor", rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "skinny.json")
@@ -123,8 +161,12 @@ def main() -> None:
         rows,
     )
     fp8_rows = bench_fp8(weights, g)
+    attention_rows = bench_attention(g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows}))
+    write_atomic(args.out, encode({
+        "weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows,
+        "attention": attention_rows,
+    }))  # fmt: skip
     console.print(f"wrote {args.out}")
 
 

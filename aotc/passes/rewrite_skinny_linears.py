@@ -48,12 +48,17 @@ After:
     add = aten.add.Tensor(stack, b)
 
 `RewriteSkinnyMatmuls` does the same for decode attention's batched matmuls,
-q @ k^T and p @ v: `aten.matmul(a, b)` of rank >= 3 where a has at most 8
-rows (the query heads of one KV head), each row of the output becoming
+q @ k^T and p @ v: `aten.matmul(a, b)` of rank >= 3 where a has 2 to 4 rows
+(the query heads of one KV head), each row of the output becoming
 sum(a[..., m, :, None] * b, -2), so that the cache is read once for all of a
-KV head's queries. Standalone (torch.compile, 8 layers of 4 KV heads x 4096
-positions x 64, 4 query rows each): q @ k^T 3.18 -> 1.23 ms, the whole
-attention 8.70 -> 4.42 ms.
+KV head's queries. `python bench/skinny.py`, 8 layers of 4 KV heads x 4096
+positions x 64 (67 MB of k, v), attention ms against MKL's batched matmuls:
+
+    query rows   MKL     this pass
+    1            2.52    2.84   (left to MKL)
+    2            3.45    3.17
+    4            5.54    4.01
+    8            6.64    6.94   (left to MKL)
 
 Only for backends that run on the CPU through Inductor: on accelerators a
 matmul engine wants the matmul.
@@ -71,50 +76,60 @@ aten = torch.ops.aten
 # linears that share x, as gate and up) fits AVX-512's 32 registers. Wider
 # inputs are prefill chunks, for which the GEMM is compute-bound anyway.
 MAX_ROWS = 8
+# Attention's rows (query heads per KV head): where the rewrite beat MKL's batched
+# matmul in bench/skinny.py (1 row and 8 rows did not).
+MATMUL_ROWS = range(2, 5)
 
 
 class RewriteSkinnyLinears(GraphPass):
     name = "rewrite_skinny_linears"
 
     def run(self, gm: fx.GraphModule) -> int:
-        changes = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not aten.linear.default:
-                continue
+        def rewrite(node):
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             xv, wv = fake_val(x), fake_val(w)
             if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > MAX_ROWS:
-                continue
-            with gm.graph.inserting_before(node):
-                out = per_row(gm.graph, x, 0, lambda row: insert_call(gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, w, row), [-1]))
-                if bias is not None:
-                    out = insert_call(gm.graph, aten.add.Tensor, out, bias)
-            replace(gm, node, out)
-            changes += 1
-        return changes
+                return None
+            out = per_row(gm.graph, x, 0, lambda row: insert_call(gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, w, row), [-1]))
+            return out if bias is None else insert_call(gm.graph, aten.add.Tensor, out, bias)
+
+        return rewrite_each(gm, aten.linear.default, rewrite)
 
 
 class RewriteSkinnyMatmuls(GraphPass):
     name = "rewrite_skinny_matmuls"
 
     def run(self, gm: fx.GraphModule) -> int:
-        changes = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not aten.matmul.default:
-                continue
+        def rewrite(node):
             a, b = node.args[0], node.args[1]
             av, bv = fake_val(a), fake_val(b)
-            if av.dim() < 3 or bv.dim() != av.dim() or not isinstance(av.shape[-2], int) or av.shape[-2] > MAX_ROWS:
-                continue
-            with gm.graph.inserting_before(node):
-                # Row m: a[..., m, :] as a column against b, summed over K: [..., N]
-                out = per_row(gm.graph, a, -2, lambda row: insert_call(
-                    gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, insert_call(gm.graph, aten.unsqueeze.default, row, -1), b), [-2]
-                ))  # fmt: skip
-            replace(gm, node, out)
-            changes += 1
-        return changes
+            if av.dim() < 3 or bv.dim() != av.dim() or av.shape[-2] not in MATMUL_ROWS:
+                return None
+            # Row m: a[..., m, :] as a column against b, summed over K: [..., N]
+            return per_row(gm.graph, a, -2, lambda row: insert_call(
+                gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, insert_call(gm.graph, aten.unsqueeze.default, row, -1), b), [-2]
+            ))  # fmt: skip
+
+        return rewrite_each(gm, aten.matmul.default, rewrite)
+
+
+def rewrite_each(gm: fx.GraphModule, target, rewrite) -> int:
+    """Replace each call of `target` with what rewrite(node) inserts before it (None:
+    leave it); the number replaced."""
+    changes = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not target:
+            continue
+        with gm.graph.inserting_before(node):
+            out = rewrite(node)
+        if out is None:
+            continue
+        out.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        changes += 1
+    return changes
 
 
 def per_row(graph: fx.Graph, x: fx.Node, dim: int, row_out) -> fx.Node:
@@ -127,9 +142,3 @@ def per_row(graph: fx.Graph, x: fx.Node, dim: int, row_out) -> fx.Node:
     x = insert_call(graph, aten.as_strided.default, x, list(xv.shape), list(xv.stride()), xv.storage_offset())
     rows = [row_out(insert_call(graph, aten.select.int, x, dim, m)) for m in range(xv.shape[dim])]
     return insert_call(graph, aten.stack.default, rows, dim)
-
-
-def replace(gm: fx.GraphModule, node: fx.Node, out: fx.Node) -> None:
-    out.meta["stack_trace"] = node.meta.get("stack_trace")
-    node.replace_all_uses_with(out)
-    gm.graph.erase_node(node)

@@ -24,6 +24,8 @@ before them).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import BundleError
@@ -114,7 +116,7 @@ class Dispatcher:
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
         # A split entry's rows past the last whole largest bucket, r of them: the row counts of
         # the calls that run them with the fewest padding rows (then the fewest calls).
-        self.cover = _covers(self.buckets) if self.split else {}
+        self.cover = _covers(tuple(self.buckets)) if self.split else {}
         # Per graph input: (argument index, region span, is a cache, dtype, pad value)
         self.plan = list(zip(self.arg_of, self.span, self.is_cache, self.dtypes, self.pads))
 
@@ -236,7 +238,8 @@ class Dispatcher:
         return f"Dispatcher({self.entry_id}, buckets={self.buckets})"
 
 
-def _covers(buckets: list[int]) -> dict[int, list[int]]:
+@functools.cache  # one per bucket set, not per layer's dispatcher
+def _covers(buckets: tuple[int, ...]) -> dict[int, list[int]]:
     """For r from 1 to the largest bucket - 1: the row counts of consecutive calls that
     run r rows with the fewest rows computed (buckets padded), then the fewest calls."""
     best: dict[int, tuple[int, int, list[int]]] = {}
