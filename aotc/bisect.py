@@ -2,10 +2,10 @@
 
 A bundle keeps no pickled graphs, so the failing artifact's graph is traced
 again from the model folder, through the same passes, and lowered as the
-backend lowers it (aotc.backends.xla: functional, decomposed). Its nodes are
-cut into contiguous ranges; a range becomes a graph of its own, its live inputs
-as parameters and its live values as outputs, lowered to HLO and given to the
-compiler with the artifact's own flags. Delta debugging on the two ends:
+backend lowers it (its `Bisector`; xla and neuron: functional, decomposed, as
+HLO). Its nodes are cut into contiguous ranges; a range becomes a graph of its
+own, its live inputs as parameters and its live values as outputs, and is
+given to the compiler with the artifact's own flags. Delta debugging on the two ends:
 
   1. the whole graph must fail; its error code (NCC_...) is the one sought;
   2. binary search for the shortest prefix [0, e) that fails with that code;
@@ -21,7 +21,6 @@ that reproduces it. The work folder is kept.
 from __future__ import annotations
 
 import operator
-import re
 import shlex
 import shutil
 import tempfile
@@ -32,10 +31,8 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .errors import AotcError, BackendError
-from .format import LOG, NEFF, read_manifest
-
-HLO = "hlo.pb"
+from .errors import AotcError
+from .format import read_manifest
 
 
 @dataclass
@@ -46,6 +43,8 @@ class Attempt:
     code: str | None  # the NCC error code, when failed
     folder: str
     command: list[str]  # run in `folder`
+    input: str  # the file the compiler took, in `folder`
+    log: str  # its output, in `folder`
 
 
 @dataclass
@@ -68,8 +67,7 @@ def bisect(
     bundle: Path | str, entry_id: str, bucket: int, *, model_dir: Path | str | None = None, compiler: str | None = None,
     work: Path | str | None = None, progress: Callable[[str], None] | None = None,
 ) -> BisectResult:  # fmt: skip
-    from .backends import xla
-    from .backends.neuron import NeuronOptions, compiler_command
+    from .backends import Backend, Specs, backend_names, get_backend_class
     from .build import BuildOptions
     from .build.plan import make_plan
     from .passes.base import source_line
@@ -78,27 +76,30 @@ def bisect(
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     name = manifest.backend.name
-    if name not in ("xla", "neuron"):
-        raise AotcError(f"{bundle} is a {name} bundle; aotc bisect shrinks failures of compilers that take HLO (xla and neuron bundles)")
+    backend = get_backend_class(name)(**manifest.backend.flags)  # as the bundle was built
+    bisector = backend.bisector()
+    if bisector is None:
+        able = [n for n in backend_names() if get_backend_class(n).bisector is not Backend.bisector]
+        raise AotcError(f"{bundle} is a {name} bundle; aotc bisect shrinks failures of compilers that take HLO, in {' and '.join(able)} bundles")
     entry = next((e for e in manifest.entries if e.id == entry_id), None)
     if entry is None:
         raise AotcError(f"--entry {entry_id}: {bundle} has no such entry; it has {', '.join(e.id for e in manifest.entries)}")
     if bucket not in [a.bucket for a in entry.artifacts]:
         raise AotcError(f"--bucket {bucket}: {entry_id} has buckets {', '.join(str(a.bucket) for a in entry.artifacts)}")
-    options = NeuronOptions(**manifest.backend.flags) if name == "neuron" else NeuronOptions()
     argv0 = shlex.split(compiler) if compiler else None
     model_dir = Path(model_dir or manifest.model.source)
     build_options = BuildOptions(
-        model_dir, batch_buckets=tuple(manifest.shapes.batch), chunk_buckets=tuple(manifest.shapes.chunk),
-        max_seq=manifest.shapes.max_seq, backend="xla", plugins=tuple(manifest.plugins),
+        model_dir, batch_buckets=tuple(manifest.shapes.batch), chunk_buckets=tuple(manifest.shapes.chunk), max_seq=manifest.shapes.max_seq,
+        context_buckets=tuple(manifest.shapes.context), backend=name, plugins=tuple(manifest.plugins), kv_cache_dtype=manifest.model.kv_cache.dtype,
     )  # fmt: skip
-    plan = make_plan(build_options)
+    plan = make_plan(build_options, backend)
     variant = next((v for v in plan.variants if v.entry_id == entry_id), None)
     if variant is None:
         raise AotcError(f"{model_dir} traces no entry {entry_id} today; the model changed since {bundle} was built. Pass --model with the folder it was built from")
     say = progress or (lambda _: None)
     say(f"tracing {entry_id} bucket {bucket} from {model_dir}")
-    gm, _ = xla.decomposed(trace(variant, bucket, plan.shapes, "neuron" if name == "neuron" else "xla"))
+    graph = trace(variant, bucket, plan.shapes, plan.backend)
+    gm = bisector.lower(graph.program, Specs(graph.inputs, graph.outputs))
     units = _units(gm)
     work = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"aotc-bisect-{entry_id}-b{bucket}-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -111,14 +112,9 @@ def bisect(
         if folder.exists():
             shutil.rmtree(folder)  # a folder of our own from an earlier attempt of this range
         folder.mkdir()
-        sub = _subgraph(gm, units[start:end])
-        (folder / HLO).write_bytes(xla.hlo_of(sub))
-        cmd = compiler_command(options, HLO, NEFF, _takes_fp8(sub))
-        if argv0:
-            cmd = argv0 + cmd[1:]
-        code = _compile(cmd, folder)
-        a = attempts[start, end] = Attempt(start, end, code is not None, code, str(folder), cmd)
-        say(f"compile {len(attempts)}: nodes {start}..{end - 1} of {len(units)}: {'fails with ' + code if code else 'passes'}")
+        done = bisector.attempt(_subgraph(gm, units[start:end]), folder, argv0)
+        a = attempts[start, end] = Attempt(start, end, done.code is not None, done.code, str(folder), done.command, done.input, done.log)
+        say(f"compile {len(attempts)}: nodes {start}..{end - 1} of {len(units)}: {'fails with ' + done.code if done.code else 'passes'}")
         return a
 
     whole = attempt(0, len(units))
@@ -142,7 +138,7 @@ def bisect(
     return BisectResult(
         entry_id, bucket, code,
         [f"{n.name} = {n.target}" for n in nodes], [source_line(n) for n in nodes],
-        str(folder / HLO), str(folder / LOG), f"cd {shlex.quote(str(folder))} && {shlex.join(minimal.command)}",
+        str(folder / minimal.input), str(folder / minimal.log), f"cd {shlex.quote(str(folder))} && {shlex.join(minimal.command)}",
         len(attempts), len(units), str(work), sorted(attempts.values(), key=lambda a: (a.start, -a.end)),
     )  # fmt: skip
 
@@ -184,20 +180,3 @@ def _subgraph(gm: fx.GraphModule, units: list[list[fx.Node]]) -> fx.GraphModule:
     live = [n for n in inside if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)]
     graph.output(tuple(env[n] for n in (live or inside[-1:])))
     return fx.GraphModule(gm, graph)
-
-
-def _takes_fp8(gm: fx.GraphModule) -> bool:
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    return any(n.op == "placeholder" and n.meta["val"].dtype in fp8 for n in gm.graph.nodes)
-
-
-def _compile(cmd: list[str], folder: Path) -> str | None:
-    """None when the compiler succeeds, else its NCC error code ("exit N" without one)."""
-    from .backends.neuron import run_compiler
-
-    try:
-        run_compiler(cmd, folder)
-    except BackendError as e:
-        found = re.search(r"NCC_[A-Z0-9]+", str(e))
-        return found.group(0) if found else re.sub(r".*failed ", "", str(e)).split(";")[0]
-    return None

@@ -60,7 +60,7 @@ def _fail(e: AotcError) -> None:
     raise typer.Exit(2)
 
 
-PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture (repeatable); see README, Bring your own model.")
+PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture or a backend (repeatable); see README, Bring your own model.")
 
 
 @init_app.command("tiny")
@@ -146,6 +146,7 @@ def build(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
+    from .backends import get_backend_class
     from .build import build as run_build, parse_shard
 
     _stop_on_sigterm()
@@ -216,7 +217,8 @@ def build(
             f"Each has its HLO and command.txt; on a host with the Neuron SDK run: aotc build --resume {result.out}",
             highlight=False,
         )
-    _print_lint([f for a in result.artifacts for f in getattr(a.record.extra, "lint", [])], f"aotc verify {result.out} --json")
+    kind = get_backend_class(options.backend)
+    _print_lint(options.backend, [f for a in result.artifacts for f in kind.findings(a.record.extra)], f"aotc verify {result.out} --json")
     for note in result.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)
     for note in result.cache_notes:
@@ -513,16 +515,16 @@ def verify(
         print(json.dumps(data))
     else:
         table = Table(title=f"{report.bundle}  ({report.backend}, weights: {report.weights})")
-        for col in ("entry", "bucket", "rows", "max abs", "max rel", "tolerance", "hlo.pb", "result"):
-            table.add_column(col, justify="left" if col in ("entry", "hlo.pb", "result") else "right", no_wrap=col == "entry")
+        for col in ("entry", "bucket", "rows", "max abs", "max rel", "tolerance", "reference", "result"):
+            table.add_column(col, justify="left" if col in ("entry", "reference", "result") else "right", no_wrap=col == "entry")
         for a in report.artifacts:
-            hlo = "" if a.hlo is None else f"vs {a.hlo} {a.hlo_max_abs:.2g}"
-            table.add_row(a.entry, str(a.bucket), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.tolerance:g}", hlo, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
+            ref = "" if a.reference_vs is None else f"{a.reference} vs {a.reference_vs} {a.reference_max_abs:.2g}"
+            table.add_row(a.entry, str(a.bucket), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.tolerance:g}", ref, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
         console.print(table)
         for a in report.artifacts:
             for problem in a.problems:
                 console.print(f"[red]{a.entry} bucket {a.bucket}:[/] {problem}", highlight=False)
-        lint = _print_lint([f for a in report.artifacts for f in a.lint], "--json")
+        lint = _print_lint(report.backend, [f for a in report.artifacts for f in a.lint], "--json")
         failed = sum(not a.passed for a in report.artifacts)
         console.print(f"{len(report.artifacts) - failed} of {len(report.artifacts)} artifacts match eager" + (f"; {len(lint)} lint findings" if lint else ""))
     if not report.passed:
@@ -566,11 +568,14 @@ def bisect(
 def inspect(
     bundle: Path = typer.Argument(..., help="Bundle folder."),
     as_json: bool = typer.Option(False, "--json", help="Print manifest.json."),
+    plugin: list[str] = PLUGIN,
 ):
     """Show a bundle's manifest."""
     from .format import as_dict, read_manifest
+    from .plugins import load_plugins
 
     try:
+        load_plugins(plugin)  # a bundle of a plugin's backend is read with that backend's record
         m = read_manifest(bundle)
     except AotcError as e:
         _fail(e)
@@ -596,13 +601,13 @@ def inspect(
     console.print(table)
 
 
-def _print_lint(findings: list[str], more: str, limit: int = 10) -> list[str]:
-    """Neuron lint findings as warnings, each once, the first `limit` of them."""
+def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -> list[str]:
+    """A backend's lint findings (Backend.findings) as warnings, each once, the first `limit` of them."""
     lint = sorted(set(findings))
     for finding in lint[:limit]:
-        console.print(f"[yellow]neuron lint:[/] {finding}", highlight=False)
+        console.print(f"[yellow]{backend} lint:[/] {finding}", highlight=False)
     if len(lint) > limit:
-        console.print(f"[yellow]neuron lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
+        console.print(f"[yellow]{backend} lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
     return lint
 
 

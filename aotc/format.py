@@ -60,19 +60,6 @@ MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
 
-# The files of each backend's artifacts. The reader requires them listed in the
-# manifest, so that every file a backend loads has had its sha256 checked.
-PROGRAM = "program.pt2"  # export: the ExportedProgram
-PACKAGE = "model.pt2"  # inductor: the AOTInductor package (its inner folder is named after it)
-HLO_PROTO, HLO_TEXT, JAX_MODULE = "hlo.pb", "hlo.txt", "model.jax"  # xla (and neuron's input)
-COMMAND, NEFF, LOG = "command.txt", "model.neff", "compile.log"  # neuron
-ARTIFACT_FILES = {
-    "export": (PROGRAM,),
-    "inductor": (PACKAGE,),
-    "xla": (HLO_PROTO, HLO_TEXT, JAX_MODULE),
-    "neuron": (HLO_PROTO, HLO_TEXT, COMMAND),  # + NEFF and LOG once compiled
-}
-
 BucketKind = Literal["batch", "chunk"]
 # Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
 TransformName = Literal["stack"]
@@ -165,40 +152,6 @@ class PassRecord:
     changes: int  # sites the pass rewrote in this graph
 
 
-# Backend-specific fields of an artifact, one record type per backend.
-
-
-@dataclass
-class ExportExtra:
-    pass
-
-
-@dataclass
-class InductorExtra:
-    target: str  # what the code was compiled for (in the cache key)
-    march: str  # CPU code: -march as g++ resolved it ("" for CUDA)
-    isa: list[str]  # CPU code: the instruction-set extensions it may use; the loading CPU must have each
-
-
-@dataclass
-class XlaExtra:
-    # Input positions of the written caches, in the order of the leading outputs
-    # that hold their updates.
-    mutated: list[int]
-
-
-@dataclass
-class NeuronExtra:
-    mutated: list[int]
-    fp8: bool  # the graph has fp8 tensors: the compiler gets the fp8 flag
-    lint: list[str]  # what the HLO has that the compiler's guide warns of (neuron.lint), by FX node
-    pending: str | None  # why neuronx-cc did not run yet; None once compiled
-
-
-BackendExtra = ExportExtra | InductorExtra | XlaExtra | NeuronExtra
-EXTRA_TYPES: dict[str, type] = {"export": ExportExtra, "inductor": InductorExtra, "xla": XlaExtra, "neuron": NeuronExtra}
-
-
 @dataclass(kw_only=True)
 class CompiledRecord:
     """What one compile produced: kept in the compile cache and in the manifest."""
@@ -211,7 +164,7 @@ class CompiledRecord:
     compile_s: float
     cache_key: str
     passes: list[PassRecord]
-    extra: Any  # the backend's record (EXTRA_TYPES), typed by the reader
+    extra: Any  # the backend's own record (its Backend.extra_type), typed by the reader
 
 
 @dataclass(kw_only=True)
@@ -475,9 +428,7 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             "rebuild the bundle with this aotc (aotc build)"
         )
     manifest = decode(data, Manifest, source, error)
-    extra_type = EXTRA_TYPES.get(manifest.backend.name)
-    if extra_type is None:
-        raise error(f"{source}: backend.name: {manifest.backend.name!r} is not a backend; known: {', '.join(sorted(EXTRA_TYPES))}")
+    kind = _artifact_kind(manifest, source, error)
     for i, entry in enumerate(manifest.entries):
         for j, w in enumerate(entry.weights):
             if (w.transform is None) != (not w.sources):
@@ -493,9 +444,8 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             )
         for j, art in enumerate(entry.artifacts):
             where = f"{source}: entries[{i}].artifacts[{j}]"
-            art.extra = convert(art.extra, extra_type, f"{where}.extra", error)
-            required = ARTIFACT_FILES[manifest.backend.name] + (() if art.pending or manifest.backend.name != "neuron" else (NEFF, LOG))
-            for name in required:
+            art.extra = convert(art.extra, kind.extra_type, f"{where}.extra", error)
+            for name in kind.required_files(art.extra):
                 if name not in art.files:
                     raise error(f"{where}.files: {name!r} is missing; every {manifest.backend.name} artifact has it. Rebuild the bundle")
             if art.dims.get(entry.bucket_kind) != art.bucket:
@@ -507,6 +457,20 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
                     f"is {manifest.shapes.context}: an entry's artifacts share one of those context buckets, or none. Rebuild the bundle"
                 )
     return manifest
+
+
+def _artifact_kind(manifest: Manifest, source: str, error: type[Exception]):
+    """The backend that wrote the bundle, for its artifact kind (extra record, files)."""
+    # Resolved here, not imported at the top: the format does not import the backends,
+    # and a backend's own file (or a plugin's) declares its kind.
+    from .backends.base import backend_names, find_backend
+
+    name = manifest.backend.name
+    kind = find_backend(name)
+    if kind is None:
+        plugins = f"; it was built with the plugin {', '.join(manifest.plugins)}: pass --plugin for it" if manifest.plugins else ""
+        raise error(f"{source}: backend.name: {name!r} is not a backend; known: {', '.join(backend_names())}{plugins}")
+    return kind
 
 
 def confined(root: Path, rel: str, where: str) -> Path:

@@ -1,8 +1,8 @@
-"""Models that live in the user's own package: `--plugin PACKAGE.MODULE`.
+"""Models and backends that live in the user's own package: `--plugin PACKAGE.MODULE`.
 
-Importing the module must register at least one architecture with
-`aotc.register_architecture`; bundles record their plugins, so `aotc run`
-imports them again by itself.
+Importing the module must register at least one architecture
+(`aotc.register_architecture`) or backend (`aotc.backends.register_backend`);
+bundles record their plugins, and running one needs them named again.
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from __future__ import annotations
 import importlib
 import traceback
 
+from .backends.base import registered_backends
 from .errors import AotcError
 from .models.registry import architectures
 
 
 def load_plugins(names: list[str] | tuple[str, ...]) -> list[str]:
-    """Import each plugin module; returns the architecture names each added."""
+    """Import each plugin module; returns the architecture and backend names each added."""
     added = []
     for name in names:
-        before = set(architectures())
+        before = set(architectures()) | set(registered_backends())
         try:
             importlib.import_module(name)
         except Exception as e:  # any failure in the user's module is theirs to see, with its line
@@ -27,11 +28,13 @@ def load_plugins(names: list[str] | tuple[str, ...]) -> list[str]:
                 f"--plugin {name}: importing it failed with {type(e).__name__}: {e} "
                 f"({where.filename}:{where.lineno}); is its package installed or on PYTHONPATH?"
             ) from None
-        new = sorted(set(architectures()) - before)
-        if not new and not any(a.model_class.__module__.startswith(name) for a in architectures().values()):
+        new = sorted((set(architectures()) | set(registered_backends())) - before)
+        ours = [a.model_class for a in architectures().values()] + list(registered_backends().values())
+        if not new and not any(cls.__module__.startswith(name) for cls in ours):
             raise AotcError(
-                f"--plugin {name}: imported, but it registered no architecture; decorate the model class "
-                "with @aotc.register_architecture(model_types=(...)) in that module"
+                f"--plugin {name}: imported, but it registered no architecture or backend; decorate the model class "
+                "with @aotc.register_architecture(model_types=(...)), or the backend class with "
+                "@aotc.backends.register_backend, in that module"
             )
         added += new
     return added

@@ -15,6 +15,7 @@ import inspect
 import traceback
 from pathlib import Path
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,11 +24,15 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
+from .format import RegionSpec, TensorSpec
 from .layout import GraphWeight, dequantized, graph_weights, providing, stored_of, weights_of
 from .models.base import fake_tensor_mode
 from .passes import PassReport, needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
 from .passes.strip_data_dependent import unbacked_in
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 PLAIN = (int, float, bool, str, type(None))
 # nn.Module's own bookkeeping (_parameters, _modules, training, hooks...): not model attributes.
@@ -68,24 +73,12 @@ class Variant:
 
 
 @dataclass
-class InputInfo:
-    name: str
-    kind: str  # "weight" | "cache" | "activation"
-    shape: list[int]
-    dtype: str
-    stride: list[int]
-    path: str | None = None  # weights: parameter path inside the instance
-    pad: float | int = 0  # activations: padding value
-    region: tuple[str, int, int] | None = None  # a packed cache's region: (argument, byte start, byte end)
-
-
-@dataclass
 class TracedGraph:
     variant: Variant
     bucket: int
     program: torch.export.ExportedProgram
-    inputs: list[InputInfo]
-    outputs: list[InputInfo]
+    inputs: list[TensorSpec]  # every graph input: weights (kind "weight"), then the method's arguments
+    outputs: list[TensorSpec]
     passes: list[PassReport] = field(default_factory=list)
     export_s: float = 0.0
 
@@ -275,9 +268,9 @@ def _check_tensor_args(module: nn.Module, method: str, args) -> None:
 # -- export --------------------------------------------------------------------
 
 
-def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None = None) -> TracedGraph:
-    """Export one variant at one bucket, run the pass pipeline (with the passes
-    of `pass_target`, a backend target such as "inductor-cpu"), check the result."""
+def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | None" = None) -> TracedGraph:
+    """Export one variant at one bucket, run the pass pipeline (with the static-shape
+    passes and the backend's own where it has them), check the result."""
     import time
 
     module, spec = variant.module, variant.spec
@@ -305,13 +298,13 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
         raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
     export_s = time.perf_counter() - t0
     gm = program.graph_module
-    reports = run_pipeline(gm, pipeline_for(pass_target))
+    reports = run_pipeline(gm, pipeline_for(backend))
     regions = gm.meta.get("aotc_regions", {})
     if regions:
         program = _with_new_inputs(program)
         gm = program.graph_module
-    if needs_static(pass_target):
-        _check_static(gm, f"{variant.entry_id} (bucket {bucket})", pass_target)
+    if needs_static(backend):
+        _check_static(gm, f"{variant.entry_id} (bucket {bucket})", backend.name)
     _drop_stale_ranges(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A split input (SplitDtypeRegions) is one placeholder per region, in its place.
@@ -327,7 +320,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
                     f"{variant.entry_id}: argument {name!r} is read as regions of several dtypes, which only a cache "
                     "may be (name it in @entry(caches=...)), or read it as one dtype"
                 )
-            inputs.append(InputInfo(f"{name}@{region[0]}", "cache", list(val.shape), dtype_name(val.dtype), list(val.stride()), region=(name, *region)))
+            inputs.append(TensorSpec(f"{name}@{region[0]}", "cache", list(val.shape), dtype_name(val.dtype), list(val.stride()), None, 0, RegionSpec(name, *region)))
             continue
         if name in weights:
             kind, path, pad = "weight", name, 0
@@ -340,7 +333,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, pass_target: str | None
                     f"{variant.cls.__qualname__}.example_inputs({spec.method!r}, {bucket}) gave {name!r} shape "
                     f"{list(val.shape)}; an activation's dim 0 must be the bucket ({bucket})"
                 )
-        inputs.append(InputInfo(name if kind != "weight" else f"w.{name}", kind, list(val.shape), dtype_name(val.dtype), list(val.stride()), path, pad))
+        inputs.append(TensorSpec(name if kind != "weight" else f"w.{name}", kind, list(val.shape), dtype_name(val.dtype), list(val.stride()), path, pad, None))
     outputs = _outputs(gm, variant, bucket)
     _check_mutations(gm, inputs, variant)
     return TracedGraph(variant, bucket, program, inputs, outputs, reports, export_s)
@@ -386,14 +379,14 @@ def _record_frames_of(module: nn.Module) -> None:
                     _register_stack_trace_anchor(fn)
 
 
-def _check_static(gm: torch.fx.GraphModule, what: str, target: str) -> None:
+def _check_static(gm: torch.fx.GraphModule, what: str, backend: str) -> None:
     """No unbacked symbol (a size or number that depends on tensor values) is left."""
     for node in gm.graph.nodes:
         symbols = unbacked_in(node)
         if symbols:
             raise TraceError(
                 f"{source_line(node)}: {what} still has a data-dependent size ({', '.join(sorted(map(str, symbols)))}, "
-                f"from {node.target}) after the passes, and backend target {target!r} compiles static shapes only. "
+                f"from {node.target}) after the passes, and the {backend} backend compiles static shapes only. "
                 "Compute it with fixed-size tensors: torch.where or a mask instead of a boolean index, "
                 "nonzero_static instead of nonzero, index tensors instead of .item() or tolist()"
             )
@@ -420,7 +413,7 @@ def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight]) ->
     return Flat()
 
 
-def _outputs(gm, variant: Variant, bucket: int) -> list[InputInfo]:
+def _outputs(gm, variant: Variant, bucket: int) -> list[TensorSpec]:
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = []
     for i, node in enumerate(out_node.args[0]):
@@ -435,11 +428,11 @@ def _outputs(gm, variant: Variant, bucket: int) -> list[InputInfo]:
         val = node.meta["val"]
         if not val.shape or val.shape[0] != bucket:
             raise TraceError(f"{variant.entry_id}: output {i} has shape {list(val.shape)}; its dim 0 must be the bucket ({bucket})")
-        outs.append(InputInfo(f"out{i}", "activation", list(val.shape), dtype_name(val.dtype), list(val.stride())))
+        outs.append(TensorSpec(f"out{i}", "activation", list(val.shape), dtype_name(val.dtype), list(val.stride()), None, 0, None))
     return outs
 
 
-def _check_mutations(gm, inputs: list[InputInfo], variant: Variant) -> None:
+def _check_mutations(gm, inputs: list[TensorSpec], variant: Variant) -> None:
     kinds = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, info in zip(placeholders, inputs):

@@ -124,10 +124,26 @@ def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode"):
     return dst
 
 
+class Wrapped:
+    """A program whose runs go through a test's function (wrap_programs)."""
+
+    label = "wrapped"
+
+    def __init__(self, run):
+        self.run = run
+
+
+def wrap_programs(dispatcher, wrap) -> None:
+    """Each program of one bound entry method (a Dispatcher) replaced, for this instance
+    only, by one whose run is wrap(context, bucket, run) (run: the program's own)."""
+    dispatcher.programs = {
+        context: {bucket: Wrapped(wrap(context, bucket, p.run)) for bucket, p in programs.items()}
+        for context, programs in dispatcher.programs.items()
+    }
+
+
 def record_contexts(dispatcher) -> list:
     """The context bucket of each call of a bound entry method, in order."""
     used = []
-    for context, runners in dispatcher.runners.items():  # new dicts: instances of one entry share theirs
-        wrap = lambda run, context=context: lambda args: used.append(context) or run(args)  # noqa: E731
-        dispatcher.runners[context] = {bucket: wrap(run) for bucket, run in runners.items()}
+    wrap_programs(dispatcher, lambda context, bucket, run: lambda args: used.append(context) or run(args))
     return used

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from aotc.cli import app
 
+from .conftest import wrap_programs
+
 runner = CliRunner()
 
 
@@ -150,9 +152,8 @@ def test_check_exits_1_when_tokens_differ(built, monkeypatch):
 
     def bind_and_perturb(self, model):
         bind(self, model)
-        runners = model.head.forward.runners[None]  # the compiled head only (no context buckets): unbind restores eager
-        for bucket, run in list(runners.items()):
-            runners[bucket] = lambda args, _run=run: [out + torch.linspace(0, 50, out.shape[-1]) for out in _run(args)]  # argmax moves
+        # The compiled head only: unbind restores eager. Its argmax moves.
+        wrap_programs(model.head.forward, lambda context, bucket, run: lambda args: [out + torch.linspace(0, 50, out.shape[-1]) for out in run(args)])
 
     monkeypatch.setattr(Bundle, "bind", bind_and_perturb)
     r = invoke("run", bundle, "--prompt", "Hello", "--max-new-tokens", 4, "--check")

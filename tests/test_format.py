@@ -209,4 +209,4 @@ def test_paths_outside_the_bundle_are_refused_and_never_read(bundle_copy, tmp_pa
 def test_the_bundle_folder_itself_may_be_a_symlink(tiny_bundle, tmp_path):
     (tmp_path / "latest").symlink_to(tiny_bundle.out)
     b = Bundle.load(tmp_path / "latest")
-    assert len(b.runners) == sum(len(e.artifacts) for e in b.manifest.entries)
+    assert len(b.programs) == sum(len(e.artifacts) for e in b.manifest.entries)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from aotc.backends.inductor import InductorBackend
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError, ConfigError, TraceError
 from aotc.format import KvCacheRecord
@@ -83,9 +84,9 @@ def _inputs():
     return torch.randn(2, 64, generator=g), torch.tensor([0, 2]), torch.tensor([3, 7]), torch.zeros(3, 10, R, dtype=torch.uint8)
 
 
-def _split(target="inductor-cpu"):
+def _split():
     program = torch.export.export(PackedCache(), _inputs(), strict=False)
-    reports = run_pipeline(program.graph_module, pipeline_for(target))
+    reports = run_pipeline(program.graph_module, pipeline_for(InductorBackend()))
     return _with_new_inputs(program), reports
 
 

@@ -100,7 +100,7 @@ class Fp32Layer(torch.nn.Module):
 
 def test_graphs_with_fp8_tensors_get_the_fp8_flag():
     shapes = Shapes(slots=3, max_seq=8)
-    graph = lambda layer: trace(find_variants(torch.nn.ModuleList([layer]), shapes)[0], 2, shapes)  # noqa: E731
+    graph = lambda layer: trace(find_variants(torch.nn.ModuleList([layer]), shapes)[0], 2, shapes).graph_module  # noqa: E731
     assert has_fp8(graph(Fp8CacheLayer()))
     assert not has_fp8(graph(Fp32Layer()))
 

@@ -14,7 +14,7 @@ from aotc.format import FORMAT_VERSION
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, Dispatcher, generate
 
-from .conftest import assert_generation_matches_eager, record_contexts
+from .conftest import Wrapped, assert_generation_matches_eager, record_contexts, wrap_programs
 
 SENTINEL = 7.0
 
@@ -97,8 +97,8 @@ def test_715_token_prompt_prefills_in_6_chunks_and_matches_unchunked_eager(tiny_
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(long_bundle.out)
     calls = []
-    for key, runner in list(bundle.runners.items()):
-        bundle.runners[key] = lambda args, key=key, runner=runner: calls.append(key) or runner(args)
+    for key, program in list(bundle.programs.items()):
+        bundle.programs[key] = Wrapped(lambda args, key=key, run=program.run: calls.append(key) or run(args))
     bundle.bind(loaded.model)
     (ids,) = prompts(715)
     ids = torch.tensor(ids)
@@ -193,9 +193,7 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
-    runners = layer.decode.runners[bundle.max_seq]  # its one context bucket
-    for bucket, runner in list(runners.items()):
-        runners[bucket] = lambda args, _b=bucket, _r=runner: used.append(_b) or _r(args)
+    wrap_programs(layer.decode, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
     for batch, bucket in [(1, 1), (2, 2), (3, 4), (4, 4)]:
         used.clear()
         generate(loaded.model, prompts(*[5] * batch), 2, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots)
@@ -209,7 +207,7 @@ def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
-    layer.prefill.runners = {c: {b: (lambda args, _b=b, _run=run: used.append(_b) or _run(args)) for b, run in runners.items()} for c, runners in layer.prefill.runners.items()}
+    wrap_programs(layer.prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
     ids = torch.tensor(prompts(length)[0])
     caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
     got = loaded.model.prefill(ids, 0, caches)
@@ -278,8 +276,7 @@ def _host_allocations_per_step(model_dir, out, batch: int) -> float:
     for m in loaded.model.modules():
         for d in vars(m).values():
             if isinstance(d, Dispatcher):
-                uncounted = lambda run: lambda args: _run_without_modes(run, args, _disable_current_modes)  # noqa: E731
-                d.runners = {c: {b: uncounted(r) for b, r in runners.items()} for c, runners in d.runners.items()}
+                wrap_programs(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
     counts = []
     for new in (2, 10):  # the difference between 9 steps and 1: decode steps only
         counter = _Allocations()

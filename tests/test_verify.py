@@ -50,7 +50,7 @@ def test_export_bundle_verifies_every_artifact(tiny_bundle):
 def test_xla_bundle_runs_hlo_pb_as_it_is(xla_bundles):
     report = verify(xla_bundles[0])
     assert report.passed, [(a.entry, a.bucket, a.problems) for a in report.artifacts]
-    assert all(a.hlo == "model.jax" and a.hlo_max_abs == 0.0 for a in report.artifacts)
+    assert all(a.reference == "hlo.pb" and a.reference_vs == "model.jax" and a.reference_max_abs == 0.0 for a in report.artifacts)
 
 
 def test_a_replaced_hlo_pb_fails_naming_the_artifact(xla_bundles, tmp_path):
@@ -86,7 +86,7 @@ def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypa
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the artifacts stay pending
     out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, **OPTIONS)).out
     report = verify(out)
-    assert report.passed and all(a.hlo == "eager" for a in report.artifacts)
+    assert report.passed and all(a.reference == "hlo.pb" and a.reference_vs == "eager" for a in report.artifacts)
     assert not any(a.lint for a in report.artifacts)  # int32 indices, no f64, no custom call
     # A lint finding is a warning, and an error with --strict.
     manifest = json.loads((out / "manifest.json").read_text())
@@ -137,11 +137,12 @@ def test_hlo_pb_takes_every_graph_input_even_unread_ones():
     (jit's default) would shift the rest, as it did for DeepSeek V4's token ids."""
     from jax._src.lib import xla_client
 
+    from aotc.backends import Specs
     from aotc.backends.xla import lower
     from aotc.trace import Shapes, find_variants, trace
 
     shapes = Shapes(slots=3, max_seq=8)
     graph = trace(find_variants(torch.nn.ModuleList([_IgnoresAnInput()]), shapes)[0], 2, shapes)
-    module = xla_client.XlaComputation(lower(graph).hlo_proto).get_hlo_module().to_string()
+    module = xla_client.XlaComputation(lower(graph.program, Specs(graph.inputs, graph.outputs)).hlo_proto).get_hlo_module().to_string()
     entry = module[module.index("ENTRY"):]
     assert entry.count(" parameter(") == 2

@@ -75,11 +75,11 @@ def test_every_graph_runs_on_xla_and_matches_eager(xla_bundle):
     bundle = Bundle.load(result.out)
     model, g = loaded.model, torch.Generator().manual_seed(0)
     layer = model.model.layers[1]
-    for (entry_id, bucket), runner in bundle.runners.items():
+    for (entry_id, bucket), program in bundle.programs.items():
         if entry_id == "LMHead.forward":
             x = torch.randn(bucket, 256, generator=g)
             weights = [p.detach() for p in model.head.parameters()]
-            torch.testing.assert_close(runner(weights + [x])[0], model.head(x), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(program.run(weights + [x])[0], model.head(x), atol=1e-4, rtol=1e-4)
             continue
         positions = torch.randint(0, 40, (bucket,), generator=g)
         cos, sin = model.rope(positions)
@@ -90,7 +90,7 @@ def test_every_graph_runs_on_xla_and_matches_eager(xla_bundle):
         x = torch.randn(bucket, 256, generator=g)
         args = [x, cos, sin, positions, slots]
         weights = [p.detach() for p in layer.parameters()]
-        out = runner(weights + args + [k, v])[0]
+        out = program.run(weights + args + [k, v])[0]
         expected = getattr(layer, entry_id.split(".")[1])(*args, k_ref, v_ref)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(k, k_ref)  # the caller's cache holds the update

@@ -1,43 +1,124 @@
-"""The backend contract: name, version, what it needs, compile, load, finish.
+"""The backend contract: one file per backend, in two halves, each owning its artifact kind.
+
+    compile half  compile(program, specs, out_dir) -> CompileResult
+                  the post-pass ExportedProgram and the typed records of its inputs
+                  and outputs (format.TensorSpec) in; files and a typed extra record out
+    load half     load(art_dir, record) -> Program
+                  one artifact, checked against its manifest record, ready to run
+
+A backend declares its artifact kind beside them: the files every artifact
+holds (`files`, `required_files`), its typed manifest record (`extra_type`),
+its fidelity tolerance factor, whether its compiler needs static shapes, the
+passes that pay off on it, and a reference runner of its own artifacts for
+`aotc verify`. The manifest reader, the fidelity check, verify, bisect and the
+pass pipeline read these from the registry; nothing outside `aotc/backends/`
+names a backend.
 
 A backend imports its vendor SDK only inside its methods, so the CLI and the
 other backends work on a machine without that SDK. What compiling needs
 (`can_compile`) is not what loading needs (`can_load`): a deploy host runs
 inductor packages without a C++ compiler, and NEFFs without JAX. This module
 imports neither the tracer nor the passes, so loading a bundle does not either.
+
+The registry finds a backend by its file: backend NAME lives in
+`aotc/backends/NAME.py` and registers itself with `@register_backend` when
+imported. A plugin module (`--plugin`) may register one of its own.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
+import importlib.util
+import pkgutil
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from ..errors import BackendError, did_you_mean
-from ..format import ArtifactRecord, BackendExtra, ExportExtra
+from ..format import ArtifactRecord, TensorSpec
 
 if TYPE_CHECKING:
-    from ..format import Manifest
-    from ..trace import TracedGraph
+    from torch.export import ExportedProgram
 
-# A loaded artifact: takes the flat graph inputs (weights, then the method's
-# arguments) and returns the flat outputs.
-Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    from ..format import Manifest
+
 # progress(event, **info): "entry" (id, total) when a group of work starts, "done" (id, bucket) per item
 Progress = Callable[..., None]
 
 
 @dataclass
+class NoExtra:
+    """The extra record of a backend that needs none (the manifest's `"extra": {}`)."""
+
+
+@dataclass
+class Specs:
+    """A graph's inputs and outputs as the manifest records them: every input in the
+    order the graph takes them (weights first, kind "weight"), then the outputs."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+    @property
+    def caches(self) -> list[int]:
+        """Input positions of the caches (the inputs a graph may write)."""
+        return [i for i, s in enumerate(self.inputs) if s.kind == "cache"]
+
+
+@dataclass
 class CompileResult:
     files: list[str]  # relative to the artifact folder
-    extra: BackendExtra = field(default_factory=ExportExtra)  # the backend's typed manifest record
+    extra: Any = field(default_factory=NoExtra)  # the backend's typed manifest record (its extra_type)
+
+
+class Program(abc.ABC):
+    """One loaded artifact: a graph of one entry at one bucket."""
+
+    label: str  # what runs, as reports name it: the file (model.jax) or the backend
+
+    @abc.abstractmethod
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run with every graph input (weights, then the method's arguments), caches
+        written in place; returns the outputs. `inputs` is the program's to keep."""
+
+
+class Bisector(abc.ABC):
+    """How `aotc bisect` compiles one part of a graph, for backends whose compiler takes a
+    graph it can be handed in parts (HLO)."""
+
+    @abc.abstractmethod
+    def lower(self, program: "ExportedProgram", specs: Specs) -> torch.fx.GraphModule:
+        """The graph as the compiler sees it, whose node ranges are compiled alone."""
+
+    @abc.abstractmethod
+    def attempt(self, gm: torch.fx.GraphModule, folder: Path, argv0: list[str] | None) -> "Attempted":
+        """Compile `gm` in `folder`; argv0: a command run in place of the compiler's."""
+
+
+@dataclass
+class Attempted:
+    """One compile of a part of a graph (aotc bisect)."""
+
+    code: str | None  # the compiler's error code (NCC_...) or "exit status N"; None when it compiled
+    command: list[str]  # as run in the attempt's folder
+    input: str  # the file the compiler took, in that folder
+    log: str  # the compiler's output, in that folder
 
 
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # -- the artifact kind ------------------------------------------------------
+    files: ClassVar[tuple[str, ...]] = ()  # what every artifact holds; the reader requires each listed
+    extra_type: ClassVar[type] = NoExtra  # the typed record of its manifest `extra` field
+    # x the dtype's tolerance (runtime.check): a compiler that sums in another order than
+    # eager moves logits further, and flips near-ties in a top-k inside the model sooner.
+    tolerance_factor: ClassVar[float] = 1.0
+    # Its compiler needs every size static: data-dependent ops are stripped first (aotc.passes).
+    static_shapes: ClassVar[bool] = False
     # Peak memory of one compile in GB, which bounds parallel compiles (`--jobs`
     # default); None where a compile is a cheap file write, done in the build's process.
     compile_memory_gb: ClassVar[int | None] = None
@@ -48,8 +129,18 @@ class Backend(abc.ABC):
         if flags:
             raise BackendError(f"--compiler-flag: the {cls.name} backend takes no compiler flags")
         if device != "cpu":
-            raise BackendError(f"--device {device}: the {cls.name} backend's artifacts run on the CPU; use --backend inductor for cuda")
+            raise BackendError(f"--device {device}: the {cls.name} backend's artifacts run on the CPU; use the inductor backend for cuda")
         return cls()
+
+    @classmethod
+    def required_files(cls, extra) -> tuple[str, ...]:
+        """The files an artifact with this extra record must list (its sha256 checked before load)."""
+        return cls.files
+
+    @classmethod
+    def findings(cls, extra) -> list[str]:
+        """What the build found in the artifact that its compiler's guide warns of (verify --strict fails on them)."""
+        return []
 
     @abc.abstractmethod
     def version(self) -> str:
@@ -67,9 +158,10 @@ class Backend(abc.ABC):
         """Normalized compiler flags; go into cache keys and the manifest."""
         return {}
 
-    def pass_target(self) -> str | None:
-        """Which backend-specific passes run on its graphs (aotc.passes.BACKEND_PASSES)."""
-        return None
+    def passes(self) -> list:
+        """The graph passes that pay off on this backend only, run after the common pipeline
+        (aotc.passes.pipeline_for); imported when asked for, at build time."""
+        return []
 
     def fp8_reading(self) -> str:
         """How the target reads float8_e4m3fn bytes: "e4m3fn", or "e4m3" where it reads
@@ -84,17 +176,26 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
-        """Compile one traced graph into files under out_dir."""
+    def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
+        """Compile one post-pass program into files under out_dir."""
 
     @abc.abstractmethod
-    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         """Load one compiled artifact from its folder; `record` is its manifest record."""
+
+    def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:
+        """A second runner of the same artifact's files, which `aotc verify` checks the loaded
+        program (or, where none loads here, eager) against; None where there is none."""
+        return None
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]] | None:
         """The inputs (shape, dtype name) as the artifact itself records them, read as
         data before anything is loaded; Bundle.load refuses an artifact whose signature
         is not what the manifest says (swapped or mislabeled). None: it cannot tell."""
+        return None
+
+    def bisector(self) -> Bisector | None:
+        """How aotc bisect compiles parts of a graph; None where it cannot."""
         return None
 
     def finish(self, bundle: Path, manifest: "Manifest", jobs: int | None, progress: Progress) -> list[ArtifactRecord]:
@@ -113,16 +214,30 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
+def registered_backends() -> dict[str, type[Backend]]:
+    """The backends imported so far, by name."""
+    return dict(_BACKENDS)
+
+
+def find_backend(name: str) -> type[Backend] | None:
+    """The backend registered as `name`: aotc's own is imported from its file on first use."""
+    if name not in _BACKENDS and re.fullmatch(r"[a-z][a-z0-9_]*", name) and importlib.util.find_spec(f"{__package__}.{name}") is not None:
+        importlib.import_module(f"{__package__}.{name}")
+    return _BACKENDS.get(name)
+
+
 def backend_names() -> list[str]:
-    _import_builtin()
+    """Every backend: aotc's own files, and those plugins registered."""
+    for module in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        find_backend(module.name)
     return sorted(_BACKENDS)
 
 
 def get_backend_class(name: str) -> type[Backend]:
-    _import_builtin()
-    if name not in _BACKENDS:
-        raise BackendError(f"unknown backend {name!r}; {did_you_mean(name, _BACKENDS)}")
-    return _BACKENDS[name]
+    found = find_backend(name)
+    if found is None:
+        raise BackendError(f"unknown backend {name!r}; {did_you_mean(name, backend_names())}")
+    return found
 
 
 def parallel_jobs(tasks: int, gb_per_job: int) -> int:
@@ -141,7 +256,3 @@ def get_backend(name: str, purpose: str = "compile", **options) -> Backend:
         verb = "compile" if purpose == "compile" else "load bundles"
         raise BackendError(f"backend {name!r} cannot {verb} here: {why}")
     return backend
-
-
-def _import_builtin() -> None:
-    from . import export, inductor, neuron, xla  # noqa: F401

@@ -11,41 +11,50 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format import PROGRAM, ArtifactRecord
-from .base import Backend, CompileResult, Runner, register_backend
+from ..format import ArtifactRecord
+from .base import Backend, CompileResult, Program, Specs, register_backend
 from .export_archive import check_archive, program_inputs
 
 if TYPE_CHECKING:
-    from ..trace import TracedGraph
+    from torch.export import ExportedProgram
 
+PROGRAM = "program.pt2"  # the ExportedProgram, saved by torch.export.save
+
+
+class GraphProgram(Program):
+    label = PROGRAM
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.gm(*inputs))
 
 
 @register_backend
 class ExportBackend(Backend):
     name = "export"
+    files = (PROGRAM,)
 
     def version(self) -> str:
         return f"torch-{torch.__version__}"
 
-    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
-        program = graph.program
+    def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         # Example inputs are fake tensors (the build never reads weights);
         # they are not needed to run the program, so they are not saved.
-        program.example_inputs = None
-        torch.export.save(program, str(out_dir / PROGRAM))
+        example, program.example_inputs = program.example_inputs, None
+        try:
+            torch.export.save(program, str(out_dir / PROGRAM))
+        finally:
+            program.example_inputs = example
         return CompileResult([PROGRAM])
 
-    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         check_archive(art_dir / PROGRAM)  # before torch reads it: torch's loader unpickles and resolves names
         program = torch.export.load(str(art_dir / PROGRAM))
         # Every input is a user input, so the graph module takes the flat list
         # as is; this skips ExportedProgram.module()'s pytree and state handling.
-        gm = program.graph_module
-
-        def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
-            return list(gm(*args))
-
-        return run
+        return GraphProgram(program.graph_module)
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
         return program_inputs(art_dir / PROGRAM)

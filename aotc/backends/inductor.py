@@ -17,18 +17,20 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import BackendError
-from ..format import PACKAGE, ArtifactRecord, InductorExtra
-from .base import Backend, CompileResult, Runner, register_backend
+from ..format import ArtifactRecord
+from .base import Backend, CompileResult, Program, Specs, register_backend
 
 if TYPE_CHECKING:
-    from ..trace import TracedGraph
+    from torch.export import ExportedProgram
 
+PACKAGE = "model.pt2"  # the AOTInductor package (its inner folder is named after it)
 SERIALIZATION_ID = ".data/serialization_id"
 # AOTInductor appends the gcc command lines (with this machine's temp paths) to
 # the sources it packages, on some code paths and not others.
@@ -37,6 +39,25 @@ _TRAILER = re.compile(rb"\n// Compile cmd\n.*\Z", re.S)
 
 # What a fleet of mixed x86 CPUs can share: AVX2 and FMA, no AVX-512.
 PORTABLE_FLAGS = "--compiler-flag cpp.march=x86-64-v3 --compiler-flag cpp.simdlen=256"
+
+
+@dataclass
+class InductorExtra:
+    target: str  # what the code was compiled for (in the cache key)
+    march: str  # CPU code: -march as g++ resolved it ("" for CUDA)
+    isa: list[str]  # CPU code: the instruction-set extensions it may use; the loading CPU must have each
+
+
+class PackageProgram(Program):
+    label = PACKAGE
+
+    def __init__(self, loader):
+        # boxed_run takes ownership of the list it is given and skips the pytree
+        # flatten/unflatten of AOTICompiledModel.__call__: the lowest-overhead call.
+        self.boxed_run = loader.boxed_run
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.boxed_run(inputs)
 
 
 def _normal(name: str) -> str:
@@ -102,6 +123,8 @@ def cpu_target(config: dict) -> str:
 @register_backend
 class InductorBackend(Backend):
     name = "inductor"
+    files = (PACKAGE,)
+    extra_type = InductorExtra
     compile_memory_gb = 2
 
     @classmethod
@@ -166,15 +189,21 @@ class InductorBackend(Backend):
     def flags(self) -> dict:
         return {"device": self.device, "config": self.config}
 
-    def pass_target(self) -> str | None:
-        return f"inductor-{self.device}"
+    def passes(self) -> list:
+        if self.device != "cpu":
+            return []  # accelerators want the matmul, and convert fp8 themselves
+        # CPU code is bound by weight reads in decode.
+        from ..passes.decode_fp8_bits import DecodeFp8Bits
+        from ..passes.rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls
 
-    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
+        return [RewriteSkinnyLinears(), RewriteSkinnyMatmuls(), DecodeFp8Bits()]
+
+    def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         from torch._inductor import aoti_compile_and_package
 
         with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
             raw = Path(tmp) / PACKAGE
-            aoti_compile_and_package(graph.program, package_path=str(raw), inductor_configs=dict(self.config))
+            aoti_compile_and_package(program, package_path=str(raw), inductor_configs=dict(self.config))
             normalize_package(raw, out_dir / PACKAGE)
         if self.device == "cuda":
             return CompileResult([PACKAGE], InductorExtra(self.target(), "", []))
@@ -184,16 +213,13 @@ class InductorBackend(Backend):
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]] | None:
         return package_inputs(art_dir / PACKAGE)
 
-    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         # aoti_load_package() first probes the compiler for the CPU's vector ISA
         # (about 0.9 s of subprocesses per process) only to log a warning on a
         # mismatch; the bundle checks its target itself (Bundle.load). Remove
         # this when the public loader stops probing. (A swapped package is refused
         # before this: Bundle.load compares signature() with the manifest.)
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
-        # boxed_run takes ownership of the list it is given and skips the pytree
-        # flatten/unflatten of AOTICompiledModel.__call__: the lowest-overhead call.
-        return loader.boxed_run
+        return PackageProgram(torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1))
 
 
 # The generated wrapper holds each input's checks (they run only under

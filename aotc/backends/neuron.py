@@ -25,21 +25,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import AotcError, BackendError
-from ..format import COMMAND, LOG, NEFF, ArtifactRecord, NeuronExtra, sha256_file
+from ..format import ArtifactRecord, sha256_file
 from . import xla
-from .base import Backend, CompileResult, Progress, Runner, parallel_jobs, register_backend
+from .base import Attempted, Backend, Bisector, CompileResult, Program, Progress, Specs, parallel_jobs, register_backend
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
     from ..format import Manifest
-    from ..trace import TracedGraph
 
 COMPILER = "neuronx-cc"
+# The artifact: the xla backend's HLO files, the compiler's command line as it ran
+# (for people; --resume makes its own from the typed flags), then its NEFF and output.
+COMMAND, NEFF, LOG = "command.txt", "model.neff", "compile.log"
 TARGETS = ("trn1", "trn2", "inf2")
 AUTO_CAST = ("none", "matmult", "all")
 AUTO_CAST_TYPES = ("bf16", "fp16", "tf32", "fp8_e4m3")
 # trn2 reads float8_e4m3fn bytes as IEEE e4m3; aotc rescales fp8 weights to
 # match (aotc/fp8.py), and this tells the compiler to accept e4m3fn graphs.
 FP8_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+@dataclass
+class NeuronExtra:
+    mutated: list[int]
+    fp8: bool  # the graph has fp8 tensors: the compiler gets the fp8 flag
+    lint: list[str]  # what the HLO has that the compiler's guide warns of (neuron.lint), by FX node
+    pending: str | None  # why neuronx-cc did not run yet; None once compiled
 
 
 @dataclass(frozen=True)
@@ -157,10 +169,10 @@ def lint(hlo_proto: bytes, sources: dict[str, str] | None = None, operators: fro
 _INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?(\S+)\s*=\s*(\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^=]*?\))\s+([a-z][a-z0-9-]*)\(")
 
 
-def has_fp8(graph: "TracedGraph") -> bool:
+def has_fp8(gm: torch.fx.GraphModule) -> bool:
     """The graph takes fp8 inputs (stored weights, caches): the compiler needs the flag."""
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
-    return any(n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in graph.graph_module.graph.nodes)
+    return any(n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype in fp8 for n in gm.graph.nodes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,10 +203,64 @@ def run_compiler(cmd: list[str], cwd: Path) -> None:
         raise BackendError(f"{COMPILER} exited 0 but wrote no {NEFF}; log: {log}")
 
 
+class HloBisector(Bisector):
+    """A part of a graph lowered to HLO as the xla backend lowers it, and compiled by
+    neuronx-cc with these options (or a command given in its place, with the same argv)."""
+
+    def __init__(self, options: NeuronOptions):
+        self.options = options
+
+    def lower(self, program: "ExportedProgram", specs: Specs) -> torch.fx.GraphModule:
+        return xla.decomposed(program, specs)[0]
+
+    def attempt(self, gm: torch.fx.GraphModule, folder: Path, argv0: list[str] | None) -> Attempted:
+        (folder / xla.HLO_PROTO).write_bytes(xla.hlo_of(gm))
+        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, has_fp8(gm))
+        if argv0:
+            cmd = argv0 + cmd[1:]
+        try:
+            run_compiler(cmd, folder)
+            code = None
+        except BackendError as e:
+            found = re.search(r"NCC_[A-Z0-9]+", str(e))
+            code = found.group(0) if found else re.sub(r".*failed ", "", str(e)).split(";")[0]
+        return Attempted(code, cmd, xla.HLO_PROTO, LOG)
+
+
+class NeffProgram(Program):
+    label = NEFF
+
+    def __init__(self, model, mutated: list[int]):
+        self.model = model
+        self.in_names = list(model.input_tensors_info)
+        self.out_names = list(model.output_tensors_info)
+        self.mutated = mutated
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The HLO's parameters and results are positional, in the graph's order.
+        outs = self.model({name: a.detach().cpu().numpy() for name, a in zip(self.in_names, inputs)})
+        outs = [torch.from_numpy(outs[name]) for name in self.out_names]
+        for position, new in zip(self.mutated, outs):
+            inputs[position].copy_(new)
+        return outs[len(self.mutated) :]
+
+
 @register_backend
 class NeuronBackend(Backend):
     name = "neuron"
+    files = (xla.HLO_PROTO, xla.HLO_TEXT, COMMAND)  # + NEFF and LOG once compiled
+    extra_type = NeuronExtra
+    tolerance_factor = xla.XlaBackend.tolerance_factor  # the same HLO, summed in the same other order
+    static_shapes = True
     compile_memory_gb = 8  # neuronx-cc's peak for one decoder-layer graph, order of magnitude
+
+    @classmethod
+    def required_files(cls, extra: NeuronExtra) -> tuple[str, ...]:
+        return cls.files + (() if extra.pending else (NEFF, LOG))
+
+    @classmethod
+    def findings(cls, extra: NeuronExtra) -> list[str]:
+        return list(extra.lint)
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "NeuronBackend":
@@ -227,9 +293,6 @@ class NeuronBackend(Backend):
     def flags(self) -> dict:
         return asdict(self.options)
 
-    def pass_target(self) -> str | None:
-        return "neuron"
-
     def fp8_reading(self) -> str:
         return "e4m3" if self.options.target == "trn2" else "e4m3fn"
 
@@ -238,11 +301,11 @@ class NeuronBackend(Backend):
         # need not have neuronx-cc, or the build machine's version of it.
         return None
 
-    def compile(self, graph: "TracedGraph", out_dir: Path) -> CompileResult:
-        lowered = xla.lower(graph)
+    def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
+        lowered = xla.lower(program, specs)
         (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
         (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
-        fp8 = has_fp8(graph)
+        fp8 = has_fp8(program.graph_module)
         findings = lint(lowered.hlo_proto, lowered.sources, listed_operators())
         cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
         # For people reading the bundle; --resume rebuilds the command from the typed flags.
@@ -288,21 +351,13 @@ class NeuronBackend(Backend):
         manifest.backend.version = self.version()
         return [a for _, a in pending]
 
-    def load(self, art_dir: Path, record: ArtifactRecord) -> Runner:
+    def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         import nrtpy
 
-        model = nrtpy.NrtpyModel.load_from_neff(str(art_dir / NEFF))
-        in_names = list(model.input_tensors_info)
-        out_names = list(model.output_tensors_info)
-        mutated = record.extra.mutated
+        return NeffProgram(nrtpy.NrtpyModel.load_from_neff(str(art_dir / NEFF)), record.extra.mutated)
 
-        def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
-            # The HLO's parameters and results are positional, in the graph's order.
-            outs = model({name: a.detach().cpu().numpy() for name, a in zip(in_names, args)})
-            outs = [torch.from_numpy(outs[name]) for name in out_names]
-            for position, new in zip(mutated, outs):
-                args[position].copy_(new)
-            return outs[len(mutated) :]
+    def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:
+        return xla.hlo_reference(art_dir, record)
 
-        return run
-
+    def bisector(self) -> Bisector:
+        return HloBisector(self.options)

@@ -36,7 +36,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
         shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets)),
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
-        passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend.pass_target())],
+        passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend)],
         graphs_traced=len(plan.tasks),
         entries=entries,
     )

@@ -28,10 +28,9 @@ class KeyedGraph:
 
 
 def key_graphs(plan: Plan, tasks: list[tuple[Variant, int]]) -> list[KeyedGraph]:
-    target = plan.backend.pass_target()
     keyed = []
     for variant, bucket in tasks:
-        graph = trace(variant, bucket, plan.shapes, target)
+        graph = trace(variant, bucket, plan.shapes, plan.backend)
         keyed.append(KeyedGraph(variant, bucket, graph, cache_key(graph, plan.backend)))
     return keyed
 

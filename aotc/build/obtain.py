@@ -8,6 +8,7 @@ load the model and find its variants before it could re-trace one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import multiprocessing
@@ -20,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ..backends import Backend, Progress
+from ..backends import Backend, Progress, Specs
 from ..cache import LocalCache
 from ..cache.local import CacheError
-from ..format import EXTRA_TYPES, ArtifactRecord, CompiledRecord, PassRecord, RegionSpec, Served, TensorSpec, artifact_dir, convert, sha256_file
+from ..format import ArtifactRecord, CompiledRecord, Form, PassRecord, Served, artifact_dir, convert, sha256_file
 from ..quiet import silence_third_party_warnings
-from ..trace import TracedGraph, Variant
 from .key import KeyedGraph, graph_form
 from .options import BuildOptions
 
@@ -50,7 +50,7 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
         if jobs > 1 and (cache is None or not cache.has(k.key)):
             misses.append(k)
             continue
-        built[k.entry_id, k.bucket] = artifact(backend, k.graph, k.key, k.variant.spec.bucket, out_dir, cache, options.remote_cache)
+        built[k.entry_id, k.bucket] = artifact(backend, _compilable(k), out_dir, cache, options.remote_cache)
         progress("done", id=k.entry_id, bucket=k.bucket)
     if not misses:
         return built
@@ -88,24 +88,39 @@ def _die_with_parent(parent: int) -> None:
 
 
 @dataclass
-class _PortableGraph:
-    """A traced graph as it crosses to a worker process: no modules, the program as bytes."""
+class Compilable:
+    """What compiling one artifact takes, and what its record says of it: the post-pass
+    program and its typed inputs and outputs, where it goes, and its key."""
 
     entry_id: str
+    dims: dict[str, int]  # the bucket's named dimensions: {"batch": 4, "context": 1024}
     bucket: int
-    dim: str  # the bucket's dimension: "batch" or "chunk"
-    context: int | None  # the variant's context bucket
     key: str
-    program: bytes
-    inputs: list
-    outputs: list
-    passes: list
+    program: torch.export.ExportedProgram
+    specs: Specs
+    form: Form
+    passes: list[PassRecord]
     export_s: float
 
 
-def _portable(k: KeyedGraph) -> _PortableGraph:
+def _compilable(k: KeyedGraph) -> Compilable:
     graph = k.graph
-    program = graph.program
+    dims = {k.variant.spec.bucket: k.bucket} | ({"context": k.variant.context} if k.variant.context else {})
+    passes = [PassRecord(p.name, p.uuid, p.changes) for p in graph.passes]
+    return Compilable(k.entry_id, dims, k.bucket, k.key, graph.program, Specs(graph.inputs, graph.outputs), graph_form(graph), passes, graph.export_s)
+
+
+@dataclass
+class _Portable:
+    """A compilable as it crosses to a worker process: the program as bytes (no modules)."""
+
+    item: Compilable  # its program None
+    program: bytes
+
+
+def _portable(k: KeyedGraph) -> _Portable:
+    item = _compilable(k)
+    program = item.program
     # Example inputs are fake tensors, which do not serialize; the worker remakes them.
     example, program.example_inputs = program.example_inputs, None
     buf = io.BytesIO()
@@ -113,25 +128,24 @@ def _portable(k: KeyedGraph) -> _PortableGraph:
         torch.export.save(program, buf)
     finally:
         program.example_inputs = example
-    return _PortableGraph(k.entry_id, k.bucket, k.variant.spec.bucket, k.variant.context, k.key, buf.getvalue(), graph.inputs, graph.outputs, graph.passes, graph.export_s)
+    return _Portable(dataclasses.replace(item, program=None), buf.getvalue())
 
 
-def _worker(options: BuildOptions, portable: _PortableGraph, out_dir: Path | None) -> BuiltArtifact:
+def _worker(options: BuildOptions, portable: _Portable, out_dir: Path | None) -> BuiltArtifact:
     """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
     silence_third_party_warnings()  # a spawned process starts with the default filters
     program = torch.export.load(io.BytesIO(portable.program))
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
-    variant = Variant(portable.entry_id, cls=type(None), spec=None, instances=[], attributes={}, context=portable.context)
-    graph = TracedGraph(variant, portable.bucket, program, portable.inputs, portable.outputs, portable.passes, portable.export_s)
     cache = LocalCache(options.cache_dir) if options.use_cache else None
-    return artifact(options.make_backend(), graph, portable.key, portable.dim, out_dir, cache, options.remote_cache)
+    return artifact(options.make_backend(), dataclasses.replace(portable.item, program=program), out_dir, cache, options.remote_cache)
 
 
-def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
+def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
     """Get one artifact, from the cache when its key is there, else by compiling; copy it into the bundle."""
     t0 = time.perf_counter()
-    rel = artifact_dir(graph.variant.entry_id, graph.bucket)
+    key = item.key
+    rel = artifact_dir(item.entry_id, item.bucket)
     remote = remote_client(remote_url) if remote_url else None
     errors_before = len(remote.errors) if remote else 0
     notes: list[str] = []
@@ -139,7 +153,7 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
     if cache is None:
         src = out_dir / rel
         src.mkdir(parents=True)
-        record, source = compile_graph(backend, graph, src, key), "uncached"
+        record, source = compile_graph(backend, item, src), "uncached"
     else:
         with cache.lock(key):
             try:
@@ -150,7 +164,7 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
             if entry is None and remote is not None:
                 entry, source = cache.put(key, lambda tmp: remote.fetch(key, tmp)), "remote"
             if entry is None:
-                entry, source = cache.put(key, lambda tmp: compile_graph(backend, graph, tmp, key)), "compiled"
+                entry, source = cache.put(key, lambda tmp: compile_graph(backend, item, tmp)), "compiled"
                 if remote is not None:
                     remote.store(key, entry.dir, entry.record)
         record, src = entry.record, entry.dir
@@ -158,12 +172,11 @@ def artifact(backend: Backend, graph: TracedGraph, key: str, dim: str, out_dir: 
             copy_files(src, out_dir / rel, record.files)
     size = sum((src / name).stat().st_size for name in record.files)
     fields = {f: getattr(record, f) for f in CompiledRecord.__dataclass_fields__}
-    if not isinstance(record.extra, EXTRA_TYPES[backend.name]):  # read back from a cache record: JSON data
-        fields["extra"] = convert(record.extra or {}, EXTRA_TYPES[backend.name], f"cache entry {key}: extra", CacheError)
-    dims = {dim: graph.bucket} | ({"context": graph.variant.context} if graph.variant.context else {})
-    art = ArtifactRecord(**fields, bucket=graph.bucket, dims=dims, dir=rel, served=source)
+    if not isinstance(record.extra, backend.extra_type):  # read back from a cache record: JSON data
+        fields["extra"] = convert(record.extra or {}, backend.extra_type, f"cache entry {key}: extra", CacheError)
+    art = ArtifactRecord(**fields, bucket=item.bucket, dims=item.dims, dir=rel, served=source)
     errors = remote.errors[errors_before:] if remote else []
-    return BuiltArtifact(graph.variant.entry_id, graph.bucket, time.perf_counter() - t0, size, art, source, errors, notes)
+    return BuiltArtifact(item.entry_id, item.bucket, time.perf_counter() - t0, size, art, source, errors, notes)
 
 
 def copy_files(src: Path, dst: Path, files) -> None:
@@ -180,23 +193,18 @@ def remote_client(url: str):
     return RemoteCache(url)
 
 
-def compile_graph(backend: Backend, graph: TracedGraph, out: Path, key: str) -> CompiledRecord:
+def compile_graph(backend: Backend, item: Compilable, out: Path) -> CompiledRecord:
     """Compile into the folder `out`; the artifact's record (what the cache and the manifest keep of it)."""
     t0 = time.perf_counter()
-    result = backend.compile(graph, out)
+    result = backend.compile(item.program, item.specs, out)
     return CompiledRecord(
         files={f: sha256_file(out / f) for f in result.files},
-        inputs=[_spec(i) for i in graph.inputs if i.kind != "weight"],
-        outputs=[_spec(o) for o in graph.outputs],
-        form=graph_form(graph),
-        export_s=round(graph.export_s, 4),
+        inputs=[s for s in item.specs.inputs if s.kind != "weight"],  # the weights are the entry's
+        outputs=list(item.specs.outputs),
+        form=item.form,
+        export_s=round(item.export_s, 4),
         compile_s=round(time.perf_counter() - t0, 4),
-        cache_key=key,
-        passes=[PassRecord(p.name, p.uuid, p.changes) for p in graph.passes],
+        cache_key=item.key,
+        passes=list(item.passes),
         extra=result.extra,
     )
-
-
-def _spec(info) -> TensorSpec:
-    region = RegionSpec(*info.region) if info.region else None
-    return TensorSpec(info.name, info.kind, list(info.shape), info.dtype, list(info.stride), info.path, info.pad, region)

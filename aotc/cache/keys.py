@@ -59,7 +59,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "max_seq": options.max_seq,
         "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),
-        "backend": [backend.name, backend.version(), backend.flags(), backend.pass_target()],
+        "backend": [backend.name, backend.version(), backend.flags(), [p.name for p in backend.passes()]],
         "torch": torch.__version__,
         "python": platform.python_version(),
         "sources": _source_digest(Path(__file__).parent.parent) + _source_digest(_package_dir(model_class)),

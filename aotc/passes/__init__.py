@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import fx
 
 from .base import GraphPass, PassResult
-from .decode_fp8_bits import DecodeFp8Bits
 from .reslice_cache_views import ResliceCacheViews
-from .rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls
 from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 PIPELINE: list[GraphPass] = [
     # Packed caches become one input per dtype region: no input is viewed as
@@ -22,20 +24,14 @@ PIPELINE: list[GraphPass] = [
     ResliceCacheViews(),
 ]
 
-# Targets whose compilers need every size static (no nonzero, no .item()).
-STATIC_TARGETS = ("static", "xla", "neuron")
-
-# Before the common pipeline, for static targets: the passes after it then see
+# Before the common pipeline, for backends whose compilers need every size static
+# (Backend.static_shapes: no nonzero, no .item()): the passes after it then see
 # static shapes only (ResliceCacheViews refuses views of data-dependent size).
-# Export and inductor keep unbacked graphs: AOTInductor compiles them.
+# The others keep unbacked graphs (AOTInductor compiles them).
 STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
 
-# Passes that only pay off on some backends run after the common pipeline.
-BACKEND_PASSES: dict[str, list[GraphPass]] = {
-    # CPU code is bound by weight reads in decode; accelerators want the matmul, and
-    # convert fp8 themselves.
-    "inductor-cpu": [RewriteSkinnyLinears(), RewriteSkinnyMatmuls(), DecodeFp8Bits()],
-}
+# After the common pipeline: the passes that pay off on one backend only
+# (Backend.passes(); e.g. inductor on the CPU, whose decode is bound by weight reads).
 
 
 @dataclass
@@ -45,16 +41,17 @@ class PassReport:
     changes: int
 
 
-def needs_static(target: str | None) -> bool:
-    """Whether graphs for this backend target must have static shapes only."""
-    return target in STATIC_TARGETS
+def needs_static(backend: "Backend | None") -> bool:
+    """Whether graphs for this backend must have static shapes only."""
+    return backend is not None and backend.static_shapes
 
 
-def pipeline_for(target: str | None) -> list[GraphPass]:
-    """The static-shape passes (static targets), the common pipeline, then the
-    passes of one backend target (e.g. "inductor-cpu")."""
-    first = STATIC_PASSES if needs_static(target) else []
-    return first + PIPELINE + BACKEND_PASSES.get(target or "", [])
+def pipeline_for(backend: "Backend | None") -> list[GraphPass]:
+    """The static-shape passes (for a backend that needs them), the common pipeline,
+    then the backend's own passes; without a backend, the common pipeline."""
+    if backend is None:
+        return list(PIPELINE)
+    return (STATIC_PASSES if backend.static_shapes else []) + PIPELINE + backend.passes()
 
 
 def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassReport]:
@@ -65,6 +62,6 @@ def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> l
     return reports
 
 
-def pipeline_identity(target: str | None = None) -> list[dict]:
+def pipeline_identity(backend: "Backend | None" = None) -> list[dict]:
     """Name and source hash of each pass, in order, for cache keys and the manifest."""
-    return [{"name": p.name, "uuid": p.uuid()} for p in pipeline_for(target)]
+    return [{"name": p.name, "uuid": p.uuid()} for p in pipeline_for(backend)]

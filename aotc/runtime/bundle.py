@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import fp8
-from ..backends import Runner, get_backend
+from ..backends import Program, get_backend
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
@@ -31,7 +31,7 @@ from .dispatch import Dispatcher, StepMemo
 class Bundle:
     dir: Path
     manifest: Manifest
-    runners: dict[tuple[str, int], Runner]  # (entry id, bucket) -> loaded artifact
+    programs: dict[tuple[str, int], Program]  # (entry id, bucket) -> loaded artifact
     load_s: float
 
     @classmethod
@@ -66,7 +66,7 @@ class Bundle:
                 f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
             )
-        runners = {}
+        programs = {}
         if load_artifacts:
             backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
             why = backend.incompatible(manifest)
@@ -79,8 +79,8 @@ class Bundle:
                 raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
             if load_artifacts:
                 _check_signature(path, entry, art, backend.signature(art_dir))
-                runners[(entry.id, art.bucket)] = backend.load(art_dir, art)
-        return cls(path, manifest, runners, time.perf_counter() - t0)
+                programs[(entry.id, art.bucket)] = backend.load(art_dir, art)
+        return cls(path, manifest, programs, time.perf_counter() - t0)
 
     @property
     def device(self) -> str:
@@ -133,9 +133,9 @@ class Bundle:
         # An instance's method has one entry per context bucket (or one): one dispatcher for them all.
         graphs: dict[tuple[str, str], list] = {}
         for entry in self.manifest.entries:
-            runners = {art.bucket: self.runners[(entry.id, art.bucket)] for art in entry.artifacts}
+            programs = {art.bucket: self.programs[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
-                graphs.setdefault((path, entry.method), []).append((entry, runners, weights[entry.id, path]))
+                graphs.setdefault((path, entry.method), []).append((entry, programs, weights[entry.id, path]))
         memo = StepMemo()
         for (path, method), found in graphs.items():
             setattr(model.get_submodule(path), method, Dispatcher([(e, r) for e, r, _ in found], found[0][2], memo))

@@ -78,7 +78,7 @@ class StepMemo:
 class Dispatcher:
     """One instance's entry method, run compiled. `graphs`: for each context bucket of
     the entry (one entry record each; a single one with no context), the record and
-    its loaded artifacts by bucket. `memo`: shared by the dispatchers of one model."""
+    its loaded programs by bucket. `memo`: shared by the dispatchers of one model."""
 
     def __init__(self, graphs: list[tuple[EntryRecord, dict]], weights: list[torch.Tensor], memo: StepMemo | None = None):
         entry = graphs[0][0]
@@ -103,14 +103,14 @@ class Dispatcher:
         if entry.context_arg is not None and entry.context_arg not in position:
             raise BundleError(f"manifest.json: entry {entry.id}: context_arg {entry.context_arg!r} is not one of its arguments; rebuild the bundle")
         self.context_at = position.get(entry.context_arg)
-        # By context bucket (None: the entry has none): the runners by bucket, and each
+        # By context bucket (None: the entry has none): the programs by bucket, and each
         # cache input's (shape, stride) in those graphs: the first positions of the cache.
-        self.runners, self.layouts = {}, {}
-        for record, runners in graphs:
+        self.programs, self.layouts = {}, {}
+        for record, programs in graphs:
             context = record.artifacts[0].dims.get("context")
-            self.runners[context] = runners
+            self.programs[context] = programs
             self.layouts[context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in record.artifacts[0].inputs]
-        self.contexts = sorted(self.runners, key=lambda c: c or 0)
+        self.contexts = sorted(self.programs, key=lambda c: c or 0)
         self.buckets = sorted(graphs[0][1])
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
@@ -159,7 +159,7 @@ class Dispatcher:
             return None
         positions = args[self.context_at]
         found = self.memo.get(positions, "context")
-        if found is not None and found in self.runners:
+        if found is not None and found in self.programs:
             return found
         need = int(positions.max()) + 1
         for c in self.contexts:
@@ -173,7 +173,7 @@ class Dispatcher:
     def _run(self, context: int | None, args, n: int):
         layout = self.layouts[context]
         bucket = self.bucket_for[n]
-        flat = self.weights.copy()  # the runner takes the list over
+        flat = self.weights.copy()  # the program takes the list over
         for i, (arg, span, cache, dtype, pad) in enumerate(self.plan):
             a = args[arg] if span is None else self._region(args[arg], arg, span)
             if a.dtype != dtype:
@@ -185,7 +185,7 @@ class Dispatcher:
             elif not a.is_contiguous():
                 a = a.contiguous()
             flat.append(a)
-        outs = self.runners[context][bucket](flat)
+        outs = self.programs[context][bucket].run(flat)
         if n != bucket:
             outs = self.memo.sliced(outs, n)
         return outs[0] if self.single else tuple(outs)

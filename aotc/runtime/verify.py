@@ -16,10 +16,11 @@ as |compiled - eager| <= tol + tol * |eager|:
   * the outputs (max absolute and relative difference reported);
   * each cache: close where eager wrote; unchanged everywhere else, but for
     the scratch slot (dim 0, the last slot), which takes the padding writes;
-  * xla and neuron: `hlo.pb`, the file neuronx-cc compiles, deserialized and
-    compiled by XLA's CPU client as it is (no re-lowering), on the same inputs:
-    against model.jax's results (xla), or against eager (neuron, where no NEFF
-    can run here).
+  * where the backend has a reference runner of its own files
+    (`Backend.reference`; xla and neuron: `hlo.pb`, the file neuronx-cc
+    compiles, compiled as it is by XLA's CPU client), that runner on the same
+    inputs: against the loaded program's results, or against eager where no
+    program loads here (a NEFF without the Neuron runtime).
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ from typing import Sequence
 import torch
 
 from .. import quant
+from ..backends import Backend, get_backend_class
 from ..entry import entries_of
-from ..format import HLO_PROTO, Manifest, read_manifest
+from ..format import Manifest, read_manifest
 from ..layout import Stored, keep_stored
 from ..models.base import load_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
+from ..kvcache import Regions
+from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
 from .check import close, tolerance_for
-from ..kvcache import Regions
 from .dispatch import Dispatcher
 
 SEED = 0
@@ -55,8 +58,9 @@ class ArtifactCheck:
     tolerance: float
     max_abs: float = 0.0
     max_rel: float = 0.0
-    hlo: str | None = None  # what hlo.pb was run against: "model.jax" or "eager"
-    hlo_max_abs: float | None = None
+    reference: str | None = None  # the backend's reference runner (what it runs: "hlo.pb")
+    reference_vs: str | None = None  # what it was compared with: the loaded program ("model.jax") or "eager"
+    reference_max_abs: float | None = None
     problems: list[str] = field(default_factory=list)
     lint: list[str] = field(default_factory=list)
 
@@ -81,11 +85,16 @@ class VerifyReport:
 @torch.no_grad()
 def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Sequence[str] = (), strict: bool = False) -> VerifyReport:
     path = Path(path)
+    load_plugins(plugins)  # a plugin may register the bundle's backend
     manifest = read_manifest(path)
     name = manifest.backend.name
-    # A NEFF runs only through the Neuron runtime: elsewhere a neuron bundle is checked through hlo.pb.
-    runnable = name != "neuron" or (not manifest.pending() and _neuron_loads())
-    bundle = Bundle.load(path, plugins=plugins, load_artifacts=runnable)
+    backend = get_backend_class(name)(**manifest.backend.flags)
+    # Where the artifacts cannot run here (a NEFF without the Neuron runtime, or still
+    # pending), the backend's reference runner is checked against eager alone.
+    runnable = not manifest.pending() and backend.can_load() is None
+    has_reference = type(backend).reference is not Backend.reference
+    # Without a reference to check instead, loading is tried anyway: it says what is missing.
+    bundle = Bundle.load(path, plugins=plugins, load_artifacts=runnable or not has_reference)
     if model_dir is None and Path(manifest.model.source).is_dir():
         model_dir = manifest.model.source
     if model_dir is not None:
@@ -108,7 +117,7 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
         instance_path = entry.instances[0]
         instance = model.get_submodule(instance_path)
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
-        check = ArtifactCheck(entry.id, art.bucket, n, instance_path, tolerance_for(dtype, name), lint=list(getattr(art.extra, "lint", [])))
+        check = ArtifactCheck(entry.id, art.bucket, n, instance_path, tolerance_for(dtype, name), lint=backend.findings(art.extra))
         checks.append(check)
         call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator))
         if call is None:
@@ -118,31 +127,29 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
         spec = entries_of(type(instance))[entry.method]
         cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
         weights_in = bound[entry.id, instance_path]
-        runs = {}
-        if runnable:
-            runs[name] = _run(entry, art.bucket, bundle.runners[entry.id, art.bucket], weights_in, before)
-        if name in ("xla", "neuron"):
-            runs[HLO_PROTO] = _run(entry, art.bucket, hlo_runner(path / art.dir / HLO_PROTO, art.extra.mutated), weights_in, before)
-        first = next(iter(runs))
-        out, after = runs[first]
+        programs = [bundle.programs[entry.id, art.bucket]] if bundle.programs else []
+        reference = backend.reference(path / art.dir, art)
+        if reference is not None:
+            programs.append(reference)
+        if not programs:
+            check.problems.append(f"nothing here runs the artifact: {backend.can_load() or 'it is pending'}, and the backend's reference runner cannot run here either")
+            continue
+        runs = [(p.label, _run(entry, art.bucket, p, weights_in, before)) for p in programs]
+        first, (out, after) = runs[0]
         check.max_abs, check.max_rel = _compare(out, eager_out, check, f"{first} output")
         _compare_caches(after, before, eager_after, cache_at, manifest.shapes.cache_slots - 1, n < art.bucket, check, first)
-        if HLO_PROTO in runs and first != HLO_PROTO:
-            check.hlo = "model.jax"
-            hlo_out, hlo_after = runs[HLO_PROTO]
-            check.hlo_max_abs, _ = _compare(hlo_out, out, check, "hlo.pb output against model.jax")
-            for i in cache_at:
-                if not close(hlo_after[i], after[i], check.tolerance):
-                    check.problems.append(f"hlo.pb and model.jax write cache {i} differently")
-        elif HLO_PROTO in runs:
-            check.hlo, check.hlo_max_abs = "eager", check.max_abs
+        if reference is not None:
+            check.reference = reference.label
+            if len(runs) > 1:
+                check.reference_vs = first
+                ref_out, ref_after = runs[1][1]
+                check.reference_max_abs, _ = _compare(ref_out, out, check, f"{reference.label} output against {first}")
+                for i in cache_at:
+                    if not close(ref_after[i], after[i], check.tolerance):
+                        check.problems.append(f"{reference.label} and {first} write cache {i} differently")
+            else:
+                check.reference_vs, check.reference_max_abs = "eager", check.max_abs
     return VerifyReport(str(path), name, weights, checks, strict)
-
-
-def _neuron_loads() -> bool:
-    from ..backends.neuron import NeuronBackend
-
-    return NeuronBackend().can_load() is None
 
 
 def _rows(bucket: int, buckets: list[int]) -> int:
@@ -186,11 +193,11 @@ def _clone(out):
     return tuple(o.clone() for o in out) if isinstance(out, tuple) else (out.clone(),)
 
 
-def _run(entry, bucket: int, runner, weights, before):
+def _run(entry, bucket: int, program, weights, before):
     """The artifact on a copy of the eager inputs; a packed cache goes in as its regions,
     each a copy of its own, and comes back packed, to compare byte for byte."""
     args = [a.clone() for a in before]
-    dispatcher = Dispatcher([(entry, {bucket: runner})], weights)
+    dispatcher = Dispatcher([(entry, {bucket: program})], weights)
     spans: dict[str, dict] = {}
     for spec in entry.artifacts[0].inputs:
         if spec.region is not None:
@@ -235,55 +242,6 @@ def _compare_caches(after, before, eager_after, cache_at, scratch: int, padded: 
     # positions), but some cache does: padding rows that write none went elsewhere.
     if padded and cache_at and not touched:
         check.problems.append(f"{what}: the padding rows wrote nothing into any cache's scratch slot {scratch}")
-
-
-# -- hlo.pb on XLA's CPU client ----------------------------------------------------
-
-
-def hlo_runner(hlo_pb: Path, mutated: list[int]):
-    """hlo.pb compiled as it is by XLA's CPU client (a private jaxlib API: the jax range
-    aotc tests is pinned in pyproject); a runner like the backends' own."""
-    import jax
-    import numpy as np
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax, xla_client
-
-    client = xla_bridge.get_backend("cpu")
-    device = client.local_devices()[0]
-    executable = client.compile_and_load(_jax.mlir.hlo_to_stablehlo(hlo_pb.read_bytes()), xla_client.DeviceList((device,)), xla_client.CompileOptions())
-
-    def run(args: list[torch.Tensor]) -> list[torch.Tensor]:
-        outs = executable.execute([jax.device_put(_to_numpy(a), device) for a in args])
-        outs = [_to_torch(np.asarray(o)) for o in outs]
-        for position, new in zip(mutated, outs):
-            args[position].copy_(new)
-        return outs[len(mutated) :]
-
-    return run
-
-
-def _to_numpy(t: torch.Tensor):
-    import ml_dtypes
-
-    t = t.detach().contiguous()
-    if t.dtype == torch.int64:  # JAX lowers without x64: the HLO takes int32 (xla.lower)
-        return t.to(torch.int32).numpy()
-    special = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn)}
-    if t.dtype in special:
-        raw, np_dtype = special[t.dtype]
-        return t.view(raw).numpy().view(np_dtype)
-    return t.numpy()
-
-
-def _to_torch(a) -> torch.Tensor:
-    import ml_dtypes
-    import numpy as np
-
-    special = {np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn)}
-    if a.dtype in special:
-        raw, dtype = special[a.dtype]
-        return torch.from_numpy(a.view(raw).copy()).view(dtype)
-    return torch.from_numpy(a.copy())
 
 
 # -- without a model folder: random weights of the right shapes -----------------------

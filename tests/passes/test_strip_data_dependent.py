@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from aotc.backends import Specs, get_backend_class
+from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.errors import TraceError
 from aotc.models.base import fake_tensor_mode, load_model
@@ -215,12 +217,12 @@ def test_refuses_what_it_cannot_make_static(module, args, message):
         StripDataDependent()(gm)
 
 
-def test_runs_first_for_static_targets_only():
-    assert [type(p) for p in pipeline_for("xla")][0] is StripDataDependent
-    assert [type(p) for p in pipeline_for("neuron")][0] is StripDataDependent
-    assert [type(p) for p in pipeline_for("static")][0] is StripDataDependent
-    for target in (None, "inductor-cpu", "inductor-cuda"):
-        assert not needs_static(target) and StripDataDependent not in {type(p) for p in pipeline_for(target)}
+def test_runs_first_for_static_backends_only():
+    for name in ("xla", "neuron"):
+        backend = get_backend_class(name)()
+        assert needs_static(backend) and [type(p) for p in pipeline_for(backend)][0] is StripDataDependent
+    for backend in (None, InductorBackend(), ExportBackend()):
+        assert not needs_static(backend) and StripDataDependent not in {type(p) for p in pipeline_for(backend)}
 
 
 # -- DeepSeek V4: every entry traced static and run against eager ----------------------------
@@ -251,7 +253,7 @@ def test_every_v4_entry_is_static_and_matches_eager(v4):
     variants = find_variants(v4, SHAPES)
     assert len(variants) == 9  # sliding (hash / routed MoE), CSA, HCA x decode, prefill, and the head
     for variant in variants:
-        graph = trace(variant, 4, SHAPES, "xla")
+        graph = trace(variant, 4, SHAPES, get_backend_class("xla")())
         gm, spec = graph.graph_module, variant.spec
         assert not has_unbacked(gm) and not DATA_DEPENDENT & set(targets(gm))
         if "Block" in variant.entry_id:
@@ -297,12 +299,12 @@ def test_v4_static_graph_with_skinny_linears_compiles_with_inductor(v4, tmp_path
     then AOTInductor, then the numbers against eager."""
     g = torch.Generator().manual_seed(2)
     variant = next(v for v in find_variants(v4, SHAPES) if v.entry_id == "SlidingBlock.decode.v0")
-    graph = trace(variant, 1, SHAPES, "xla")
+    graph = trace(variant, 1, SHAPES, get_backend_class("xla")())
     assert RewriteSkinnyLinears()(graph.graph_module).changes > 0
     assert not has_unbacked(graph.graph_module)
     backend = InductorBackend()
-    backend.compile(graph, tmp_path)
-    run = backend.load(tmp_path, None)
+    backend.compile(graph.program, Specs(graph.inputs, graph.outputs), tmp_path)
+    run = backend.load(tmp_path, None).run
     layer, spec = variant.module, variant.spec
     inputs = {k: (v if k in spec.caches else v[:1]) for k, v in v4_inputs(layer, spec, g).items()}
     eager = [a.clone() for a in inputs.values()]
