@@ -55,7 +55,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")

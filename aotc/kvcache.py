@@ -83,7 +83,8 @@ def layer_views(cache) -> list:
     two tensors per layer and step."""
     views = getattr(cache, "_aotc_layers", None)
     if views is None:
-        layers = cache.shape[0] if isinstance(cache, torch.Tensor) else next(iter(cache.tensors.values())).shape[0]
+        # A tensor, a device's allocations (runtime.resident.DeviceCaches), or Regions of either.
+        layers = next(iter(cache.tensors.values())).shape[0] if isinstance(cache, Regions) else cache.shape[0]
         views = cache._aotc_layers = [cache[i] for i in range(layers)]
     return views
 

@@ -289,7 +289,10 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | Non
             f"the method takes {len(spec.params)}: {', '.join(spec.params)}"
         )
     names = list(weights)
-    wrapper = _flat_wrapper(module, spec.method, graph_ws)
+    narrow: dict[int, list[tuple[int, int]]] = {}
+    if backend is not None and not backend.views:
+        args, narrow = _whole_caches(args, spec, f"{variant.entry_id} (bucket {bucket})")
+    wrapper = _flat_wrapper(module, spec.method, graph_ws, narrow)
     _record_frames_of(module)
     t0 = time.perf_counter()
     try:
@@ -401,14 +404,39 @@ def _drop_stale_ranges(program: torch.export.ExportedProgram) -> None:
         del ranges[symbol]
 
 
-def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight]) -> nn.Module:
+def _whole_caches(args: tuple, spec: EntrySpec, what: str) -> tuple[tuple, dict[int, list[tuple[int, int]]]]:
+    """For a backend whose programs take no strided views: each cache argument that is a view
+    of its allocation's first positions (a context bucket's) replaced by that allocation,
+    and for each, the (dim, length) narrowings that make the view again inside the graph."""
+    args, narrow = list(args), {}
+    for i, name in enumerate(spec.params):
+        a = args[i]
+        if name not in spec.caches or a._base is None:
+            continue
+        base = a._base
+        dims = [(d, a.shape[d]) for d in range(a.dim()) if a.dim() == base.dim() and a.shape[d] != base.shape[d]]
+        if a.dim() != base.dim() or a.storage_offset() != 0 or a.stride() != base.stride() or not base.is_contiguous():
+            raise TraceError(
+                f"{what}: cache {name!r} is a view (shape {list(a.shape)}, strides {list(a.stride())}) that is not the first "
+                "positions of its allocation; this backend takes whole caches, so example_inputs must give the allocation or a "
+                "prefix slice of it (cache[:, :, :positions])"
+            )
+        args[i], narrow[i] = base, dims
+    return tuple(args), narrow
+
+
+def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight], narrow: dict[int, list[tuple[int, int]]]) -> nn.Module:
     n = len(weights)
 
     class Flat(nn.Module):
         # module is deliberately not a registered submodule: its weights
         # must enter the graph as the inputs below, not as lifted parameters.
         def forward(self, *flat):
-            return _call(module, method, weights, {w.key: v for w, v in zip(weights, flat[:n])}, flat[n:])
+            args = list(flat[n:])
+            for i, dims in narrow.items():  # a whole cache, read and written through its first positions
+                for d, length in dims:
+                    args[i] = args[i][(slice(None),) * d + (slice(0, length),)]  # aten.slice, which the passes see through
+            return _call(module, method, weights, {w.key: v for w, v in zip(weights, flat[:n])}, tuple(args))
 
     return Flat()
 

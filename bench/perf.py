@@ -49,6 +49,12 @@ Sections (each a table, all in one JSON file):
              against a max_seq-256 bundle, eager and torch.compile (4096
              caches); issue 20's targets (<= 1.2x the 256 bundle at 128,
              <= 1.1x eager at 4000)
+  resident   xla decode at position 128 (context bucket 256), ~100M model, in a
+             max_seq-4096 bundle against a max_seq-256 bundle: step times, and
+             the bytes a step copies: cache buffers that moved over 32 steps
+             (each buffer's unsafe_buffer_pointer before and after) and the
+             host<->device transfers the device counts; eager beside them.
+             Issue 31's target: no cache byte copied
   overhead   tiny model (2 and 8 layers), batch 1 and 8: `generate`'s decode
              step against the time inside its compiled graphs, and the tensors
              the runtime allocates per step outside them; issue 20's target
@@ -67,6 +73,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -85,6 +92,7 @@ from gptfast import from_aotc  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from aotc.backends.base import Step  # noqa: E402
 from aotc.build import BuildOptions, build  # noqa: E402
 from aotc import kvcache  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
@@ -503,8 +511,8 @@ def bound_bytes(bundle: Bundle, model) -> int:
     from aotc.runtime.bundle import bound_weights
 
     seen = {}
-    for tensors in bound_weights(bundle.manifest, model, bundle.dir).values():
-        for t in tensors:
+    for weights in bound_weights(bundle.manifest, model, bundle.dir).values():
+        for t in weights.tensors():
             seen[(t.data_ptr(), t.nbytes)] = t.nbytes
     return sum(seen.values())
 
@@ -771,6 +779,66 @@ def bench_context(models: dict[str, Path], root: Path, results: dict, quick: boo
     print_misses(misses)
 
 
+# -- resident caches (xla) -----------------------------------------------------------
+
+RESIDENT_MAX_SEQ, RESIDENT_STEPS = 4096, 32
+
+
+def bench_resident(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
+    """Batch-1 xla decode at position 128 in a max_seq-4096 bundle (context buckets 256,
+    1024, 4096: the step reads 256) and in a max_seq-256 bundle. Caches are the device's
+    arrays, donated to each call: over 32 steps each cache buffer's pointer is read
+    before and after (a buffer that moved was copied), and the device counts the bytes
+    it sends and reads back. Logits are checked against eager's before timing."""
+    from aotc.runtime.resident import buffers
+
+    name = "100m" if "100m" in models else "tiny"
+    model_dir = models[name]
+    model = load_model(model_dir).model
+    prompt = torch.randint(3, 512, (POSITION,), generator=torch.Generator().manual_seed(0))
+    ids, pos = torch.tensor([7]), torch.tensor([POSITION])
+    repeats = dict(min_time=0.3 if quick else 1.0)
+    eager = model.allocate_caches(2, RESIDENT_MAX_SEQ)
+    model.prefill(prompt, 0, eager)
+    expected = model.decode(ids, pos, eager)
+    rows = [{"run": "eager", "max_seq": RESIDENT_MAX_SEQ, "step ms": timeit(lambda: model.decode(ids, pos, eager).argmax(-1), **repeats) * 1e3}]
+    tolerance = tolerance_for(torch.float32, "xla")
+    for n in (RESIDENT_MAX_SEQ, MAX_SEQ):
+        out = bundle_for(model_dir, root / f"resident-{n}", "xla", batch_buckets=(1,), chunk_buckets=(128,), max_seq=n)
+        bundle = Bundle.load(out)
+        bundle.bind(model)
+        device = bundle.backend.device_for()
+        caches = model.allocate_caches(bundle.cache_slots, n)
+        model.prefill(prompt, 0, caches)
+        torch.testing.assert_close(model.decode(ids, pos, caches), expected, atol=tolerance, rtol=tolerance)
+        held = [(b, b.value.unsafe_buffer_pointer()) for b in buffers(caches)]
+        sent, received = device.sent, device.received
+        step = lambda: model.decode(ids, pos, caches).argmax(-1)  # noqa: E731  (a step reads its logits, as generate does)
+        for _ in range(RESIDENT_STEPS):
+            step()
+        moved = sum(math.prod(b.shape) * b.dtype.itemsize for b, p in held if b.value.unsafe_buffer_pointer() != p)
+        row = {
+            "run": "aotc xla", "max_seq": n, "positions read": next(c for c in bundle.manifest.shapes.context if c > POSITION),
+            "cache bytes copied / step": moved / RESIDENT_STEPS, "cache bytes": sum(math.prod(b.shape) * b.dtype.itemsize for b, _ in held),
+            "host->device B / step": (device.sent - sent) / RESIDENT_STEPS, "device->host B / step": (device.received - received) / RESIDENT_STEPS,
+            "weights placed B": device.placed,
+        }  # fmt: skip
+        row["step ms"] = timeit(step, **repeats) * 1e3
+        rows.append(row)
+        Bundle.unbind(model)
+    long, short = rows[1], rows[2]
+    long["4096 bundle / 256 bundle"] = long["step ms"] / short["step ms"]
+    for row in rows[1:]:
+        row["aotc/eager"] = row["step ms"] / rows[0]["step ms"]
+    misses = [f"max_seq {r['max_seq']}: {r['cache bytes copied / step']:.0f} cache bytes copied a step (target 0)" for r in rows[1:] if r["cache bytes copied / step"]]
+    results["resident"] = {
+        "model": name, "unit": "ms per batch-1 decode step at position 128", "steps counted": RESIDENT_STEPS, "target": "no cache byte copied",
+        "misses": misses, "rows": rows,
+    }  # fmt: skip
+    table(f"xla decode at position {POSITION}, {name} model: caches on the device, donated (bytes a step copies)", rows)
+    print_misses(misses)
+
+
 # -- runtime overhead --------------------------------------------------------------
 
 OVERHEAD_BATCHES, OVERHEAD_TOKENS, OVERHEAD_TARGET = (1, 8), 64, 0.10
@@ -793,11 +861,11 @@ class AllocationCounter(TorchDispatchMode):
 
 
 def wrap_graphs(model, wrap) -> None:
-    """Replace every bound graph `run` of the model with wrap(run)."""
+    """Replace every bound graph's step of the model with one whose run is wrap(run)."""
     for m in model.modules():
         for d in vars(m).values():
             if isinstance(d, Dispatcher):
-                d.runners = {c: {b: wrap(r) for b, r in runners.items()} for c, runners in d.runners.items()}
+                d.steps = {c: {b: Step(s.device, (lambda s: lambda args, call=0: wrap(lambda a: s.run(a, call))(args))(s)) for b, s in steps.items()} for c, steps in d.steps.items()}
 
 
 def bench_overhead(models: dict[str, Path], root: Path, results: dict, quick: bool) -> None:
@@ -998,7 +1066,7 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats and layer counts")
-    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill,contention,context,overhead")
+    ap.add_argument("--sections", default="decode,ttft,build,bandwidth,memory,lowp,v4,kvcache,prefill,contention,context,resident,overhead")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
     ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
     ap.add_argument("--peers-cache", type=Path, default=peers.DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {peers.DEFAULT_CACHE})")
@@ -1036,6 +1104,8 @@ def main() -> None:
             bench_contention(models, root, results)
         if "context" in sections:
             bench_context(models, root, results, args.quick)
+        if "resident" in sections:
+            bench_resident(models, root, results, args.quick)
         if "overhead" in sections:
             bench_overhead(models, root, results, args.quick)
         if "peers" in sections:

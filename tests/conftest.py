@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from aotc.backends.base import Step
 from aotc.build import BuildOptions, build
 from aotc.models.tiny import write_tiny
 
@@ -124,26 +125,36 @@ def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode"):
     return dst
 
 
-class Wrapped:
-    """A program whose runs go through a test's function (wrap_programs)."""
+def wrap_steps(dispatcher, wrap) -> None:
+    """Each step of one bound entry method (a Dispatcher) replaced, for this instance only,
+    by one whose run is wrap(context, bucket, run) (run: the step's own)."""
+    def through(context, bucket, step):
+        def run(args, call=0):
+            return wrap(context, bucket, lambda a: step.run(a, call))(args)
 
-    label = "wrapped"
+        return Step(step.device, run, step.weights)
 
-    def __init__(self, run):
-        self.run = run
+    dispatcher.steps = {context: {bucket: through(context, bucket, s) for bucket, s in steps.items()} for context, steps in dispatcher.steps.items()}
 
 
-def wrap_programs(dispatcher, wrap) -> None:
-    """Each program of one bound entry method (a Dispatcher) replaced, for this instance
-    only, by one whose run is wrap(context, bucket, run) (run: the program's own)."""
-    dispatcher.programs = {
-        context: {bucket: Wrapped(wrap(context, bucket, p.run)) for bucket, p in programs.items()}
-        for context, programs in dispatcher.programs.items()
-    }
+def wrap_programs(bundle, wrap) -> None:
+    """Each program of a loaded bundle replaced by one whose steps run through
+    wrap(key, run), key (entry id, bucket), for every instance it is bound to."""
+    for key, program in list(bundle.programs.items()):
+        bundle.programs[key] = _Wrapped(program, lambda run, key=key: wrap(key, run))
+
+
+class _Wrapped:
+    def __init__(self, program, wrap):
+        self.program, self.wrap, self.label = program, wrap, program.label
+
+    def bind(self, weights, **where):
+        step = self.program.bind(weights, **where)
+        return Step(step.device, lambda args, call=0: self.wrap(lambda a: step.run(a, call))(args), step.weights)
 
 
 def record_contexts(dispatcher) -> list:
     """The context bucket of each call of a bound entry method, in order."""
     used = []
-    wrap_programs(dispatcher, lambda context, bucket, run: lambda args: used.append(context) or run(args))
+    wrap_steps(dispatcher, lambda context, bucket, run: lambda args: used.append(context) or run(args))
     return used

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import aotc
 from aotc.backends import Backend, CompileResult, Program, Specs, backend_names, register_backend
+from aotc.backends.base import HOST, Step, Weights
 from aotc.backends.export_archive import check_archive
 from aotc.cli import app
 
@@ -70,8 +71,10 @@ class InterpretedProgram(Program):
     def __init__(self, gm: torch.fx.GraphModule):
         self.interpreter = torch.fx.Interpreter(gm)
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.interpreter.run(*inputs))
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        # The host's device: the graph runs on the model's own tensors, where they are.
+        tensors = weights.tensors()
+        return Step(HOST, lambda args, call=0: list(self.interpreter.run(*tensors, *args)))
 
 
 @register_backend

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from aotc.cli import app
 
-from .conftest import wrap_programs
+from .conftest import wrap_steps
 
 runner = CliRunner()
 
@@ -153,7 +153,7 @@ def test_check_exits_1_when_tokens_differ(built, monkeypatch):
     def bind_and_perturb(self, model):
         bind(self, model)
         # The compiled head only: unbind restores eager. Its argmax moves.
-        wrap_programs(model.head.forward, lambda context, bucket, run: lambda args: [out + torch.linspace(0, 50, out.shape[-1]) for out in run(args)])
+        wrap_steps(model.head.forward, lambda context, bucket, run: lambda args: [out + torch.linspace(0, 50, out.shape[-1]) for out in run(args)])
 
     monkeypatch.setattr(Bundle, "bind", bind_and_perturb)
     r = invoke("run", bundle, "--prompt", "Hello", "--max-new-tokens", 4, "--check")

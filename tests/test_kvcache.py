@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from aotc.backends import get_backend_class
 from aotc.backends.inductor import InductorBackend
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError, ConfigError, TraceError
@@ -120,6 +121,39 @@ def test_split_graph_on_separate_allocations_matches_eager_on_the_packed_buffer(
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for region, eager in zip(regions, _regions(cache)):
         assert torch.equal(region.view(torch.uint8), eager.view(torch.uint8))
+
+
+class FirstPositions(nn.Module):
+    """PackedCache on a backend without views: the whole cache comes in, and the graph
+    reads and writes its first 8 positions (a context bucket)."""
+
+    def forward(self, x, slots, pos, cache):
+        return PackedCache()(x, slots, pos, cache[:, :8])
+
+
+def test_a_cache_read_through_its_first_positions_is_split_below_them():
+    """Each region is an input of the whole cache's positions, sliced to the first 8 in
+    the graph as the packed input was; written with one direct index_put_ each; the
+    numbers are eager's on the packed buffer."""
+    x, slots, pos, cache = _inputs()
+    eager = cache.clone()
+    want = FirstPositions()(x, slots, pos, eager)
+    program = torch.export.export(FirstPositions(), _inputs(), strict=False)
+    reports = run_pipeline(program.graph_module, pipeline_for(get_backend_class("xla")()))
+    program = _with_new_inputs(program)
+    gm = program.graph_module
+    assert dict((r.name, r.changes) for r in reports)["split_dtype_regions"] == 3
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][3:]
+    assert [tuple(n.meta["val"].shape) for n in placeholders] == [(3, 10, A), (3, 10, 1), (3, 10, (R - B) // 2)]  # all 10 positions
+    for n in placeholders:  # each read through its first 8 positions
+        assert [(u.target, u.args[1:]) for u in n.users if u.target is torch.ops.aten.slice.Tensor] == [(torch.ops.aten.slice.Tensor, (1, 0, 8))]
+    writes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.index_put_.default]
+    assert [w.args[0] for w in writes] == placeholders
+    regions = _regions(torch.zeros_like(cache))
+    got = program.module()(x, slots, pos, *regions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for region, written in zip(regions, _regions(eager)):
+        assert torch.equal(region.view(torch.uint8), written.view(torch.uint8))
 
 
 def test_unsplit_regions_sharing_a_storage_fail_in_aot_autograd_where_separate_allocations_run():

@@ -253,8 +253,8 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
 
     reference = load_model(model_dir, stored=True).model
     model = load_model(model_dir, stored=True).model
-    weights = bound_weights(result.manifest, model, result.out)
-    again = bound_weights(result.manifest, model, result.out)  # a second bind must not rescale again
+    weights = {k: w.tensors() for k, w in bound_weights(result.manifest, model, result.out).items()}
+    again = {k: w.tensors() for k, w in bound_weights(result.manifest, model, result.out).items()}  # a second bind must not rescale again
     checked = 0
     for path in decode.instances:
         original = stored_of(reference.get_submodule(path))

@@ -14,7 +14,7 @@ from aotc.format import FORMAT_VERSION
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, Dispatcher, generate
 
-from .conftest import Wrapped, assert_generation_matches_eager, record_contexts, wrap_programs
+from .conftest import assert_generation_matches_eager, record_contexts, wrap_programs, wrap_steps
 
 SENTINEL = 7.0
 
@@ -97,8 +97,7 @@ def test_715_token_prompt_prefills_in_6_chunks_and_matches_unchunked_eager(tiny_
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(long_bundle.out)
     calls = []
-    for key, program in list(bundle.programs.items()):
-        bundle.programs[key] = Wrapped(lambda args, key=key, run=program.run: calls.append(key) or run(args))
+    wrap_programs(bundle, lambda key, run: lambda args: calls.append(key) or run(args))
     bundle.bind(loaded.model)
     (ids,) = prompts(715)
     ids = torch.tensor(ids)
@@ -193,7 +192,7 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
-    wrap_programs(layer.decode, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    wrap_steps(layer.decode, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
     for batch, bucket in [(1, 1), (2, 2), (3, 4), (4, 4)]:
         used.clear()
         generate(loaded.model, prompts(*[5] * batch), 2, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots)
@@ -207,7 +206,7 @@ def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
-    wrap_programs(layer.prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    wrap_steps(layer.prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
     ids = torch.tensor(prompts(length)[0])
     caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
     got = loaded.model.prefill(ids, 0, caches)
@@ -276,7 +275,7 @@ def _host_allocations_per_step(model_dir, out, batch: int) -> float:
     for m in loaded.model.modules():
         for d in vars(m).values():
             if isinstance(d, Dispatcher):
-                wrap_programs(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
+                wrap_steps(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
     counts = []
     for new in (2, 10):  # the difference between 9 steps and 1: decode steps only
         counter = _Allocations()

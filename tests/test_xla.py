@@ -11,18 +11,21 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from aotc.backends.base import DeviceBuffer, Weights
 from aotc.backends.xla import XlaBackend, dropped_overloads, import_torchax
 from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
+from aotc.runtime.resident import buffers
 
-from .conftest import assert_check_report, assert_generation_matches_eager
+from .conftest import assert_check_report, assert_generation_matches_eager, record_contexts
 
 pytestmark = pytest.mark.skipif(XlaBackend().can_compile() is not None, reason=str(XlaBackend().can_compile()))
 
-OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="xla", use_cache=False)
+# Two context buckets: decode graphs read the caches' first 32 positions, or all 64.
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), backend="xla", use_cache=False)
 
 
 def test_torchax_needs_the_shim_on_this_torch_and_the_shim_is_narrow():
@@ -46,9 +49,8 @@ def xla_bundle(request, tmp_path_factory):
 def test_hlo_for_every_entry_and_bucket_with_donated_caches(xla_bundle):
     _, result = xla_bundle
     arts = list(result.manifest.artifacts())
-    assert sorted((e.id, a.bucket) for e, a in arts) == sorted(
-        [("LlamaDecoderLayer.decode", 1), ("LlamaDecoderLayer.decode", 2), ("LlamaDecoderLayer.prefill", 16), ("LMHead.forward", 1), ("LMHead.forward", 2)]
-    )
+    decode = [(f"LlamaDecoderLayer.decode.c{c}", b) for c in (32, 64) for b in (1, 2)]
+    assert sorted((e.id, a.bucket) for e, a in arts) == sorted(decode + [("LlamaDecoderLayer.prefill", 16), ("LMHead.forward", 1), ("LMHead.forward", 2)])
     for e, a in arts:
         folder = result.out / a.dir
         assert set(a.files) == {"hlo.pb", "hlo.txt", "model.jax"}
@@ -67,34 +69,80 @@ def test_hlo_for_every_entry_and_bucket_with_donated_caches(xla_bundle):
         # Each cache input is donated to the output that holds its update.
         assert sorted(int(param) for _, param in aliases) == caches, (e.id, aliases)
         assert text.splitlines()[0].count("->") == 1 and n_inputs > 0
+        # JAX has no strided views: every graph takes the whole layer cache, a context
+        # bucket's reading its first positions inside the graph.
+        layer_cache = result.manifest.caches["k"].shape[1:]  # [slots, kv heads, 64 positions, head dim]
+        assert [x.shape for x in a.inputs if x.kind == "cache"] == ([layer_cache] * 2 if e.id.startswith("LlamaDecoderLayer") else []), e.id
 
 
-def test_every_graph_runs_on_xla_and_matches_eager(xla_bundle):
+def test_every_graph_runs_on_xla_with_its_caches_donated(xla_bundle):
+    """Each program bound to a layer's weights (placed on the JAX device once) and run on
+    device values: outputs match eager; each cache is a JAX array donated to the call,
+    whose result takes the donated buffer itself (no copy of the cache is made)."""
     model_dir, result = xla_bundle
     loaded = load_model(model_dir)
     bundle = Bundle.load(result.out)
     model, g = loaded.model, torch.Generator().manual_seed(0)
     layer = model.model.layers[1]
+    reads = {(e.id, a.bucket): a.dims.get("context", bundle.max_seq) for e, a in bundle.manifest.artifacts()}
     for (entry_id, bucket), program in bundle.programs.items():
         if entry_id == "LMHead.forward":
             x = torch.randn(bucket, 256, generator=g)
-            weights = [p.detach() for p in model.head.parameters()]
-            torch.testing.assert_close(program.run(weights + [x])[0], model.head(x), atol=1e-4, rtol=1e-4)
+            step = program.bind(Weights.of([p.detach() for p in model.head.parameters()]))
+            (out,) = step.run([step.device.put(x)])
+            torch.testing.assert_close(step.device.get(out), model.head(x), atol=1e-4, rtol=1e-4)
             continue
-        positions = torch.randint(0, 40, (bucket,), generator=g)
+        positions = torch.randint(0, reads[entry_id, bucket], (bucket,), generator=g)  # within what the graph reads
         cos, sin = model.rope(positions)
-        slots = torch.arange(bucket) if entry_id.endswith("decode") else torch.zeros(bucket, dtype=torch.long)
+        slots = torch.arange(bucket) if ".decode" in entry_id else torch.zeros(bucket, dtype=torch.long)
         caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
         k, v = (c[1].normal_(generator=g) for c in (caches["k"], caches["v"]))
         k_ref, v_ref = k.clone(), v.clone()
         x = torch.randn(bucket, 256, generator=g)
         args = [x, cos, sin, positions, slots]
-        weights = [p.detach() for p in layer.parameters()]
-        out = program.run(weights + args + [k, v])[0]
+        step = program.bind(Weights.of([p.detach() for p in layer.parameters()]))
+        device = step.device
+        buffers = [DeviceBuffer(device, device.put(c), tuple(c.shape), c.dtype) for c in (k, v)]
+        given = [b.value for b in buffers]
+        pointers = [a.unsafe_buffer_pointer() for a in given]
+        (out,) = step.run([device.put(a) for a in args] + buffers)
+        assert all(a.is_deleted() for a in given), entry_id  # donated
+        assert [b.value.unsafe_buffer_pointer() for b in buffers] == pointers, entry_id  # updated in place
         expected = getattr(layer, entry_id.split(".")[1])(*args, k_ref, v_ref)
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(k, k_ref)  # the caller's cache holds the update
-        torch.testing.assert_close(v, v_ref)
+        torch.testing.assert_close(device.get(out), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(buffers[0].to_host(), k_ref)  # the cache holds eager's update
+        torch.testing.assert_close(buffers[1].to_host(), v_ref)
+
+
+def test_decode_moves_the_step_activations_only_and_copies_no_cache(xla_bundle):
+    """Bound once, weights placed once; caches are JAX arrays on the device. Over decode steps
+    that cross the context bucket (positions 28 to 39: 32 positions read, then 64), every
+    cache stays in the buffer it was allocated in, each step sends exactly its activations
+    (the embedding row, the RoPE rows, position, slot) and reads exactly the logits back."""
+    model_dir, result = xla_bundle
+    bundle, loaded = Bundle.load(result.out), load_model(model_dir)
+    model = loaded.model
+    bundle.bind(model)
+    device = bundle.backend.device_for()
+    graph_weights = {id(p): p.numel() * p.element_size() for n, p in model.named_parameters() if n != "model.embed_tokens.weight" or model.config.tie_word_embeddings}
+    assert device.placed == sum(graph_weights.values())  # each weight once, whichever graphs take it
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    logits = model.prefill(torch.arange(3, 31), 0, caches)  # 28 tokens: two chunks of 16
+    held = [(b, b.value.unsafe_buffer_pointer()) for b in buffers(caches)]
+    assert len(held) == 2 * len(model.model.layers)
+    c = model.config
+    per_step = c.hidden_size * 4 + 2 * c.head_dim * 4 + 4  # x, cos, sin (fp32), positions (int32), for every layer
+    used = record_contexts(model.model.layers[0].decode)
+    ids, positions = logits.argmax(-1, keepdim=True), torch.tensor([28])
+    sent, received = device.sent, device.received
+    for _ in range(12):
+        logits = model.decode(ids, positions, caches)
+        ids, positions = logits.argmax(-1), positions + 1
+    assert device.sent - sent == 12 * per_step + 4  # + the batch's slots, once: the same tensor every step
+    assert device.received - received == 12 * c.vocab_size * 4  # the logits
+    assert used == [32] * 4 + [64] * 8
+    assert [b.value.unsafe_buffer_pointer() for b, _ in held] == [p for _, p in held]  # no cache copied
+    assert device.placed == sum(graph_weights.values())  # nothing placed again
 
 
 def test_run_check_is_token_exact(xla_bundle):

@@ -52,3 +52,9 @@ _.decoder
 
 # Swapping a module's class to record attribute reads (aotc/trace.py, _recording).
 _.__class__
+
+# What crosses a resident device's boundary, counted for bench/perf.py's resident section and
+# the tests (aotc/backends/xla.py JaxDevice), and the caches' device buffers they inspect.
+_.sent
+_.received
+buffers

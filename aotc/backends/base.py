@@ -75,15 +75,117 @@ class CompileResult:
     extra: Any = field(default_factory=NoExtra)  # the backend's typed manifest record (its extra_type)
 
 
+class Device:
+    """Where a backend's programs keep what they take and give between calls. This one is
+    the host's: torch tensors as they are (export and inductor, whose code runs where
+    the tensors are, a CUDA device included). A backend whose programs run elsewhere
+    (JAX arrays, Neuron device tensors) has its own, with `resident` set."""
+
+    # Values live in the device's own arrays, not torch tensors: the runtime allocates
+    # caches here (DeviceBuffer), puts activations, and reads outputs back (runtime.resident).
+    resident: ClassVar[bool] = False
+
+    def place(self, weight: torch.Tensor) -> Any:
+        """A weight where the programs read it, once per tensor for every program that takes it."""
+        return weight
+
+    def put(self, t: torch.Tensor, key: Any = None) -> Any:
+        """A copy of a host tensor on the device. `key` names the graph input it is for, so a
+        device may refill a buffer of its own for it (the Neuron runtime's write_from_numpy)."""
+        return t
+
+    def get(self, value, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host copy of a device value (of `dtype`, where the device's type stands for
+        another: the Neuron runtime reports fp8 as int8)."""
+        return value
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """A zeroed cache allocation on the device."""
+        return torch.zeros(shape, dtype=dtype)
+
+    def hold(self, t: torch.Tensor) -> Any:
+        """A cache allocation of the device's own holding a host tensor's values (readers
+        such as aotc verify start a cache from values)."""
+        return t
+
+
+HOST = Device()
+
+
+class DeviceBuffer:
+    """A cache allocation on a resident device: one layer's (or one region of it). `value`
+    is the device's array; a call that writes the cache replaces it with the array it
+    returns (JAX: the donated input's own buffer)."""
+
+    __slots__ = ("device", "value", "shape", "dtype")
+
+    def __init__(self, device: Device, value, shape: tuple[int, ...], dtype: torch.dtype):
+        self.device, self.value, self.shape, self.dtype = device, value, torch.Size(shape), dtype
+
+    def to_host(self) -> torch.Tensor:
+        """A host copy (readers such as verify and tests; never held across a call)."""
+        return self.device.get(self.value, self.dtype)
+
+    def __repr__(self):
+        return f"DeviceBuffer({list(self.shape)}, {self.dtype})"
+
+
+class Weights:
+    """One instance's weight inputs, in the order the graphs take them, each made when a
+    program first asks for it (a derived or rescaled weight is made once, and a later
+    sharded bind reads only its part)."""
+
+    def __init__(self, makers: list[Callable[[], torch.Tensor]]):
+        self.makers = makers
+        self.made: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> "Weights":
+        return cls([lambda t=t: t for t in tensors])
+
+    def __len__(self) -> int:
+        return len(self.makers)
+
+    def tensor(self, i: int) -> torch.Tensor:
+        if i not in self.made:
+            self.made[i] = self.makers[i]()
+        return self.made[i]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tensor(i) for i in range(len(self.makers))]
+
+
+@dataclass
+class Step:
+    """A program bound to one instance's weights. `run(args, call=0)` takes the method's own
+    arguments in the graph's order (activations as the device's values, caches as its
+    allocations) and returns the outputs as the device's values; it never takes a weight.
+    `call` counts the consecutive calls of one split method call (a prompt's chunks): a
+    device that writes outputs into buffers of its own keeps one set per call."""
+
+    device: Device
+    run: Callable[[list], list]
+    weights: list = field(default_factory=list)  # what it took them as: the host's tensors, or the device's arrays
+
+
+def one_device(backend: str, rank: int, world_size: int) -> None:
+    """bind's check where a backend's bundles run on one device."""
+    if world_size != 1 or rank != 0:
+        raise BackendError(
+            f"bind(rank={rank}, world_size={world_size}): {backend} bundles are built for one device; "
+            "bind with rank 0 and world_size 1"
+        )
+
+
 class Program(abc.ABC):
     """One loaded artifact: a graph of one entry at one bucket."""
 
     label: str  # what runs, as reports name it: the file (model.jax) or the backend
 
     @abc.abstractmethod
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run with every graph input (weights, then the method's arguments), caches
-        written in place; returns the outputs. `inputs` is the program's to keep."""
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        """Place the instance's weights where the program runs, once, and return the step
+        that runs it on the method's arguments alone."""
 
 
 class Bisector(abc.ABC):
@@ -119,6 +221,10 @@ class Backend(abc.ABC):
     tolerance_factor: ClassVar[float] = 1.0
     # Its compiler needs every size static: data-dependent ops are stripped first (aotc.passes).
     static_shapes: ClassVar[bool] = False
+    # Its programs take a strided view of a cache (a context bucket's first positions).
+    # Where not (JAX and the Neuron runtime have no strided views), a context bucket's graph
+    # takes the whole layer cache and slices it itself; the manifest records that shape.
+    views: ClassVar[bool] = True
     # Peak memory of one compile in GB, which bounds parallel compiles (`--jobs`
     # default); None where a compile is a cheap file write, done in the build's process.
     compile_memory_gb: ClassVar[int | None] = None
@@ -182,6 +288,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         """Load one compiled artifact from its folder; `record` is its manifest record."""
+
+    def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
+        """Where this backend's programs keep their values for one rank (one per rank and
+        backend instance: the programs of a bundle share it)."""
+        return HOST
 
     def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:
         """A second runner of the same artifact's files, which `aotc verify` checks the loaded

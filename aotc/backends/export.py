@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..format import ArtifactRecord
-from .base import Backend, CompileResult, Program, Specs, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
 from .export_archive import check_archive, program_inputs
 
 if TYPE_CHECKING:
@@ -27,8 +27,10 @@ class GraphProgram(Program):
     def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.gm(*inputs))
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        one_device(ExportBackend.name, rank, world_size)
+        gm, tensors = self.gm, weights.tensors()  # the model's own tensors: the host runs the graph
+        return Step(HOST, lambda args, call=0: list(gm(*tensors, *args)), tensors)
 
 
 @register_backend

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import BackendError
 from ..format import ArtifactRecord
-from .base import Backend, CompileResult, Program, Specs, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -56,8 +56,16 @@ class PackageProgram(Program):
         # flatten/unflatten of AOTICompiledModel.__call__: the lowest-overhead call.
         self.boxed_run = loader.boxed_run
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.boxed_run(inputs)
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        one_device(InductorBackend.name, rank, world_size)
+        run, tensors = self.boxed_run, weights.tensors()  # the model's own tensors, where it was put (.to(device))
+
+        def step(args: list, call: int = 0) -> list:
+            flat = tensors.copy()  # boxed_run takes the list over
+            flat += args
+            return run(flat)
+
+        return Step(HOST, step, tensors)
 
 
 def _normal(name: str) -> str:

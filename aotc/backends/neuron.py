@@ -27,7 +27,7 @@ import torch
 from ..errors import AotcError, BackendError
 from ..format import ArtifactRecord, sha256_file
 from . import xla
-from .base import Attempted, Backend, Bisector, CompileResult, Program, Progress, Specs, parallel_jobs, register_backend
+from .base import HOST, Attempted, Backend, Bisector, CompileResult, Program, Progress, Specs, Step, Weights, one_device, parallel_jobs, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -236,13 +236,20 @@ class NeffProgram(Program):
         self.out_names = list(model.output_tensors_info)
         self.mutated = mutated
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        # The HLO's parameters and results are positional, in the graph's order.
-        outs = self.model({name: a.detach().cpu().numpy() for name, a in zip(self.in_names, inputs)})
-        outs = [torch.from_numpy(outs[name]) for name in self.out_names]
-        for position, new in zip(self.mutated, outs):
-            inputs[position].copy_(new)
-        return outs[len(self.mutated) :]
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        one_device(NeuronBackend.name, rank, world_size)
+        tensors = weights.tensors()
+
+        def step(args: list, call: int = 0) -> list:
+            inputs = [*tensors, *args]
+            # The HLO's parameters and results are positional, in the graph's order.
+            outs = self.model({name: a.detach().cpu().numpy() for name, a in zip(self.in_names, inputs)})
+            outs = [torch.from_numpy(outs[name]) for name in self.out_names]
+            for position, new in zip(self.mutated, outs):
+                inputs[position].copy_(new)
+            return outs[len(self.mutated) :]
+
+        return Step(HOST, step, tensors)
 
 
 @register_backend
@@ -252,6 +259,7 @@ class NeuronBackend(Backend):
     extra_type = NeuronExtra
     tolerance_factor = xla.XlaBackend.tolerance_factor  # the same HLO, summed in the same other order
     static_shapes = True
+    views = False  # the Neuron runtime takes whole device tensors
     compile_memory_gb = 8  # neuronx-cc's peak for one decoder-layer graph, order of magnitude
 
     @classmethod

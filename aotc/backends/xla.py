@@ -24,7 +24,7 @@ import torch
 
 from ..errors import BackendError
 from ..format import ArtifactRecord
-from .base import Backend, Bisector, CompileResult, Program, Specs, register_backend
+from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, one_device, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -237,33 +237,89 @@ def _jax_dtype(dtype: torch.dtype):
     return jnp.dtype(str(dtype).removeprefix("torch."))
 
 
+class JaxDevice(Device):
+    """A JAX device (the CPU here): weights placed once, caches allocated on it as JAX arrays
+    (JAX has no views of torch tensors that survive a donation), activations copied in,
+    outputs copied out. It counts the bytes that cross."""
+
+    resident = True
+
+    def __init__(self, index: int = 0):
+        import jax
+
+        self.jax_device = jax.devices()[index]
+        self.sent = self.received = self.placed = 0  # bytes: host -> device per call, device -> host, weights
+        self._placed: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def place(self, weight: torch.Tensor):
+        found = self._placed.get(id(weight))
+        if found is None or found[0] is not weight:
+            import jax
+
+            array = to_numpy(weight)
+            self.placed += array.nbytes
+            found = self._placed[id(weight)] = (weight, jax.device_put(array, self.jax_device))
+        return found[1]
+
+    def put(self, t: torch.Tensor, key=None):
+        import jax.numpy as jnp
+
+        array = to_numpy(t)
+        self.sent += array.nbytes
+        # jnp.array copies into a buffer of XLA's own, which a donating call writes in place;
+        # jax.device_put's buffer is copied when donated, some shapes or always (jax 0.10, CPU).
+        return jnp.array(array, device=self.jax_device)
+
+    def get(self, value, dtype: torch.dtype | None = None) -> torch.Tensor:
+        import numpy as np
+
+        array = np.asarray(value)
+        self.received += array.nbytes
+        return to_torch(array)
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype):
+        import jax.numpy as jnp
+
+        return jnp.zeros(shape, _jax_dtype(dtype), device=self.jax_device)
+
+    def hold(self, t: torch.Tensor):
+        return self.put(t)  # an array of XLA's own, donatable
+
+
 class JaxProgram(Program):
-    """model.jax on JAX's default device, the caches donated to the outputs that update them."""
+    """model.jax on a JAX device, each written cache donated to the output that updates it:
+    XLA writes the new rows into the cache's own buffer, and the runtime keeps the array
+    it returns."""
 
     label = JAX_MODULE
 
-    def __init__(self, exported, mutated: list[int]):
+    def __init__(self, backend: "XlaBackend", exported, mutated: list[int]):
+        self.backend, self.exported, self.mutated = backend, exported, mutated
+
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         import jax
 
-        self.call = jax.jit(exported.call)
-        self.mutated = mutated
+        one_device(XlaBackend.name, rank, world_size)
+        device = self.backend.device_for(rank, world_size)
+        placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
+        run = jax.jit(self.exported.call, donate_argnums=tuple(self.mutated))
+        # The written caches, by their position among the method's arguments.
+        written = [position - len(placed) for position in self.mutated]
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        import jax
+        def step(args: list, call: int = 0) -> list:
+            outs = run(*placed, *[a.value if isinstance(a, DeviceBuffer) else a for a in args])
+            for at, new in zip(written, outs):
+                args[at].value = new  # the donated buffer, updated in place
+            return list(outs[len(written) :])
 
-        # torch <-> jax through DLPack: no copies on the way in, but for a cache view of a
-        # context bucket's first positions (strided; JAX takes row-major buffers only).
-        outs = self.call(*[jax.dlpack.from_dlpack(a.detach().contiguous()) for a in inputs])
-        for position, new in zip(self.mutated, outs):
-            # The updated cache comes back as a new buffer: write it into the caller's cache.
-            inputs[position].copy_(torch.from_dlpack(new))
-        return [torch.from_dlpack(o) for o in outs[len(self.mutated) :]]
+        return Step(device, step, placed)
 
 
 class HloProgram(Program):
     """hlo.pb, the file neuronx-cc compiles, compiled as it is by XLA's CPU client (a private
     jaxlib API: the jax range aotc tests is pinned in pyproject): aotc verify's check that
-    the HLO computes what the artifact's other files do."""
+    the HLO computes what the artifact's other files do. A checker, run on host tensors:
+    every input is copied in and every written cache copied back per call."""
 
     label = HLO_PROTO
 
@@ -277,15 +333,21 @@ class HloProgram(Program):
         self.executable = client.compile_and_load(_jax.mlir.hlo_to_stablehlo(hlo_pb.read_bytes()), xla_client.DeviceList((self.device,)), options)
         self.mutated = mutated
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         import jax
         import numpy as np
 
-        outs = self.executable.execute([jax.device_put(to_numpy(a), self.device) for a in inputs])
-        outs = [to_torch(np.asarray(o)) for o in outs]
-        for position, new in zip(self.mutated, outs):
-            inputs[position].copy_(new)
-        return outs[len(self.mutated) :]
+        tensors = weights.tensors()
+        written = [position - len(tensors) for position in self.mutated]
+
+        def step(args: list, call: int = 0) -> list:
+            outs = self.executable.execute([jax.device_put(to_numpy(a), self.device) for a in [*tensors, *args]])
+            outs = [to_torch(np.asarray(o)) for o in outs]
+            for at, new in zip(written, outs):
+                args[at].copy_(new)
+            return outs[len(written) :]
+
+        return Step(HOST, step, tensors)
 
 
 def to_numpy(t: torch.Tensor):
@@ -332,6 +394,10 @@ class XlaBackend(Backend):
     # and inductor); with index_topk covering every entry, within 1e-5.
     tolerance_factor = 5.0
     static_shapes = True
+    views = False
+
+    def __init__(self):
+        self._device: JaxDevice | None = None
 
     def version(self) -> str:
         import jax
@@ -366,7 +432,12 @@ class XlaBackend(Backend):
         import jax
 
         exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
-        return JaxProgram(exported, record.extra.mutated)
+        return JaxProgram(self, exported, record.extra.mutated)
+
+    def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
+        if self._device is None:
+            self._device = JaxDevice(rank)
+        return self._device
 
     def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:
         return hlo_reference(art_dir, record)

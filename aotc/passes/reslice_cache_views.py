@@ -18,6 +18,12 @@ alias their input):
 4. `index_copy_(view, dim, index, v)` -> as 3, with `index` at `dim`
 5. a direct write whose target is an in-place result of the root is pointed
    at the root placeholder itself.
+6. `index_put_(prefix, indices, v)`, where the view is the root's first
+   positions along some dims (same strides, no offset: a context bucket's
+   cache, narrowed in the graph) and indices has a tensor for each such dim
+   -> index_put_(root, indices, v): the same write, with no index tensors
+   built (each narrowed dim's index taken modulo the view's length, as a
+   negative one counts from the view's end).
 
 Index tensors are built in the graph from `arange` over the view's dims and
 the view's strides relative to the root (read from the fake tensors), so
@@ -113,9 +119,12 @@ class _Rewriter:
         shape = list(self.view.shape)
         accumulate = False
         if target is aten.index_put_.default:
-            idx, result_shape = self.view_indices(list(node.args[1]))
             values = node.args[2]
             accumulate = bool(node.args[3]) if len(node.args) > 3 else bool(node.kwargs.get("accumulate", False))
+            prefix = self.prefix_indices(list(node.args[1]))
+            if prefix is not None:  # case 6
+                return self.call(aten.index_put_.default, self.root, prefix, self.as_root_dtype(values), accumulate)
+            idx, result_shape = self.view_indices(list(node.args[1]))
         elif target is aten.index_copy_.default:
             dim, index, values = node.args[1], node.args[2], node.args[3]
             dim = dim % len(shape)
@@ -128,10 +137,27 @@ class _Rewriter:
             else:
                 fill = 0 if target is aten.zero_.default else node.args[1]
                 values = fill if isinstance(fill, fx.Node) else self.call(aten.full.default, [], fill, dtype=self.base.dtype, device=self.device)
-        if isinstance(values, fx.Node) and fake_val(values).dtype != self.base.dtype:
-            values = self.call(aten._to_copy.default, values, dtype=self.base.dtype)
         root_idx = self.root_indices(idx, len(result_shape))
-        return self.call(aten.index_put_.default, self.root, root_idx, values, accumulate)
+        return self.call(aten.index_put_.default, self.root, root_idx, self.as_root_dtype(values), accumulate)
+
+    def as_root_dtype(self, values):
+        if isinstance(values, fx.Node) and fake_val(values).dtype != self.base.dtype:
+            return self.call(aten._to_copy.default, values, dtype=self.base.dtype)
+        return values
+
+    def prefix_indices(self, indices: list) -> list | None:
+        """Case 6's indices on the root, or None where the view is not such a prefix."""
+        view, base = self.view, self.base
+        if view.dim() != base.dim() or view.stride() != base.stride() or view.storage_offset() != base.storage_offset():
+            return None
+        indices = indices + [None] * (view.dim() - len(indices))
+        narrowed = [d for d in range(view.dim()) if view.shape[d] != base.shape[d]]
+        if any(indices[d] is None or fake_val(indices[d]).dtype == torch.bool for d in narrowed):
+            return None
+        out = list(indices)
+        for d in narrowed:
+            out[d] = self.call(aten.remainder.Scalar, indices[d], view.shape[d])
+        return out
 
     def view_indices(self, indices: list) -> tuple[list[fx.Node], list[int]]:
         """Per view dim, an index tensor broadcasting to the shape of view[indices]."""

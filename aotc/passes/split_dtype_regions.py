@@ -31,6 +31,18 @@ viewed as at most one dtype, and at least one view changes the dtype. Regions
 that overlap, or a region read both as a whole and in another dtype, are
 reported with their source line. `gm.meta["aotc_regions"]` records the split:
 {input position: [(byte start, byte end), ...]}, in byte order.
+
+An input whose one use is a chain of slices of its other dims (a whole cache
+that the graph reads through its first positions: a context bucket on a
+backend without views) is split below that chain, and each region input
+gets the same slices:
+
+    narrow = aten.slice.Tensor(cache, 2, 0, 256)
+    slice_1 = aten.slice.Tensor(narrow, 3, 0, 64)
+    view = aten.view.dtype(slice_1, torch.float8_e4m3fn)
+becomes
+    cache_r0_64                          # placeholder: float8_e4m3fn [..., 4096, 64]
+    slice_2 = aten.slice.Tensor(cache_r0_64, 2, 0, 256)
 """
 
 from __future__ import annotations
@@ -53,27 +65,42 @@ class SplitDtypeRegions(GraphPass):
         split: dict[int, list[tuple[int, int]]] = {}
         changed: set[fx.Node] = set()
         for index, node in enumerate(placeholders):
-            regions = _regions(node)
+            chain = _leading_slices(node)
+            regions = _regions(node, chain[-1] if chain else node)
             if regions is None:
                 continue
             split[index] = sorted(regions)
-            changed |= _replace(gm, node, regions)
+            changed |= _replace(gm, node, regions, chain)
         if split:
             _refresh(gm, changed)
             gm.meta["aotc_regions"] = split
         return sum(len(r) for r in split.values())
 
 
-def _regions(node: fx.Node) -> dict[tuple[int, int], tuple[torch.dtype, list[fx.Node]]] | None:
+def _leading_slices(node: fx.Node) -> list[fx.Node]:
+    """The chain of slices of other dims than the last that is the input's one use, if any."""
+    chain, at = [], node
+    last = fake_val(node).dim() - 1
+    while len(at.users) == 1:
+        use = next(iter(at.users))
+        if use.target is not aten.slice.Tensor or use.args[0] is not at or use.args[1] % (last + 1) == last:
+            break
+        chain.append(use)
+        at = use
+    return chain
+
+
+def _regions(node: fx.Node, top: fx.Node) -> dict[tuple[int, int], tuple[torch.dtype, list[fx.Node]]] | None:
     """{(byte start, byte end): (dtype, the nodes that are the region)} when every use of
-    the input is a last-dim slice seen as one dtype and some dtype differs; else None."""
+    the input (of `top`, the end of its chain of leading slices) is a last-dim slice seen
+    as one dtype and some dtype differs; else None."""
     val = fake_val(node)
-    if val.dim() == 0 or not node.users:
+    if val.dim() == 0 or not top.users:
         return None
     last, item = val.dim() - 1, val.dtype.itemsize
     regions: dict[tuple[int, int], tuple[torch.dtype, list[fx.Node]]] = {}
-    for use in node.users:
-        if use.target is not aten.slice.Tensor or use.args[0] is not node:
+    for use in top.users:
+        if use.target is not aten.slice.Tensor or use.args[0] is not top:
             return None
         dim, start, end, step = (list(use.args[1:]) + [0, None, None, 1][len(use.args) - 1 :])[:4]
         if dim % val.dim() != last or step != 1:
@@ -109,11 +136,13 @@ def _regions(node: fx.Node) -> dict[tuple[int, int], tuple[torch.dtype, list[fx.
     return regions
 
 
-def _replace(gm: fx.GraphModule, node: fx.Node, regions) -> set[fx.Node]:
-    """Put one placeholder per region where `node` was; return the nodes that now read them."""
+def _replace(gm: fx.GraphModule, node: fx.Node, regions, chain: list[fx.Node]) -> set[fx.Node]:
+    """Put one placeholder per region where `node` was, each sliced as the chain sliced the
+    input; return the nodes that now read them."""
     val = fake_val(node)
     readers: set[fx.Node] = set()
     anchor = node
+    top = chain[-1] if chain else node
     for (start, end), (dtype, uses) in sorted(regions.items()):
         if start % dtype.itemsize or end % dtype.itemsize:
             raise TraceError(f"input '{node.name}': bytes {start}:{end} are not a whole number of {dtype} values")
@@ -122,14 +151,26 @@ def _replace(gm: fx.GraphModule, node: fx.Node, regions) -> set[fx.Node]:
         with val.fake_mode:
             region.meta["val"] = torch.empty((*val.shape[:-1], (end - start) // dtype.itemsize), dtype=dtype, device=val.device)
         region.meta["tensor_meta"] = None
+        at = region
+        for link in chain:  # the region read through the same leading slices
+            with gm.graph.inserting_before(top.next):
+                sliced = gm.graph.call_function(aten.slice.Tensor, (at, *link.args[1:]))
+            with val.fake_mode:
+                sliced.meta["val"] = aten.slice.Tensor(at.meta["val"], *link.args[1:])
+            sliced.meta["stack_trace"] = link.meta.get("stack_trace")
+            at = sliced
         for use in uses:
             readers |= set(use.users)
-            use.replace_all_uses_with(region)
+            use.replace_all_uses_with(at)
         anchor = region
-    for use in list(node.users):  # the slices, now unused
+    for use in list(top.users):  # the last-dim slices, now unused
         for view in list(use.users):
-            gm.graph.erase_node(view)
-        gm.graph.erase_node(use)
+            if view is not use and not view.users:
+                gm.graph.erase_node(view)
+        if not use.users:
+            gm.graph.erase_node(use)
+    for link in reversed(chain):
+        gm.graph.erase_node(link)
     gm.graph.erase_node(node)
     return readers
 

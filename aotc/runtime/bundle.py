@@ -7,6 +7,7 @@ and the model's eager code; never the tracer, the passes or a compiler.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from .. import fp8
-from ..backends import Program, get_backend
+from ..backends import Backend, Program, get_backend
+from ..backends.base import Device, Weights
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
@@ -24,7 +26,9 @@ from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
+from ..kvcache import Regions
 from .dispatch import Dispatcher, StepMemo
+from .resident import DeviceCaches
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Bundle:
     manifest: Manifest
     programs: dict[tuple[str, int], Program]  # (entry id, bucket) -> loaded artifact
     load_s: float
+    backend: Backend | None = None  # the load half that made the programs (None: none loaded)
 
     @classmethod
     def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None, load_artifacts: bool = True) -> "Bundle":
@@ -66,7 +71,7 @@ class Bundle:
                 f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
             )
-        programs = {}
+        programs, backend = {}, None
         if load_artifacts:
             backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
             why = backend.incompatible(manifest)
@@ -80,7 +85,7 @@ class Bundle:
             if load_artifacts:
                 _check_signature(path, entry, art, backend.signature(art_dir))
                 programs[(entry.id, art.bucket)] = backend.load(art_dir, art)
-        return cls(path, manifest, programs, time.perf_counter() - t0)
+        return cls(path, manifest, programs, time.perf_counter() - t0, backend)
 
     @property
     def device(self) -> str:
@@ -127,18 +132,26 @@ class Bundle:
             for name in (w.sources or [w.path])
         }  # fmt: skip
 
-    def bind(self, model: nn.Module) -> None:
-        """Replace each entry method of each instance with its compiled dispatcher."""
+    def bind(self, model: nn.Module, *, rank: int = 0, world_size: int = 1) -> None:
+        """Replace each entry method of each instance with its compiled dispatcher: every
+        program bound once to that instance's weights, placed where the programs run
+        (Program.bind), and the model's caches allocated there too (allocate_caches)."""
+        if self.backend is None:
+            raise BundleError(f"{self.dir}: loaded without its artifacts (load_artifacts=False); it cannot run")
         weights = bound_weights(self.manifest, model, self.dir)
+        device = self.backend.device_for(rank, world_size)
         # An instance's method has one entry per context bucket (or one): one dispatcher for them all.
         graphs: dict[tuple[str, str], list] = {}
         for entry in self.manifest.entries:
-            programs = {art.bucket: self.programs[(entry.id, art.bucket)] for art in entry.artifacts}
             for path in entry.instances:
-                graphs.setdefault((path, entry.method), []).append((entry, programs, weights[entry.id, path]))
+                source = weights[entry.id, path]
+                steps = {art.bucket: self.programs[entry.id, art.bucket].bind(source, rank=rank, world_size=world_size) for art in entry.artifacts}
+                graphs.setdefault((path, entry.method), []).append((entry, steps))
         memo = StepMemo()
         for (path, method), found in graphs.items():
-            setattr(model.get_submodule(path), method, Dispatcher([(e, r) for e, r, _ in found], found[0][2], memo))
+            setattr(model.get_submodule(path), method, Dispatcher(found, device, memo))
+        if device.resident:
+            model.allocate_caches = DeviceAllocator(model, device)
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
         unbound = [
             f"{path or type(m).__name__}.{method}"
@@ -155,11 +168,30 @@ class Bundle:
 
     @staticmethod
     def unbind(model: nn.Module) -> None:
-        """Restore the eager entry methods."""
+        """Restore the eager entry methods (and the eager cache allocation)."""
         for module in model.modules():
             for name, value in list(vars(module).items()):
-                if isinstance(value, Dispatcher):
+                if isinstance(value, (Dispatcher, DeviceAllocator)):
                     delattr(module, name)
+
+
+class DeviceAllocator:
+    """A bound model's allocate_caches on a resident device: each cache kind (and each region
+    of a packed one) as the device's allocations, one per layer (runtime.resident)."""
+
+    def __init__(self, model, device: Device):
+        self.model, self.device = model, device
+
+    def __call__(self, slots: int, max_seq: int, device=None, split: bool = True) -> dict:
+        layouts = self.model.cache_layouts()
+        caches = {}
+        for kind, (shape, dtype) in self.model.cache_specs(slots, max_seq).items():
+            if kind in layouts:
+                layout = layouts[kind]
+                caches[kind] = Regions({layout.spans[r.name]: DeviceCaches(self.device, (*shape[:-1], r.count), r.dtype) for r in layout.regions})
+            else:
+                caches[kind] = DeviceCaches(self.device, shape, dtype)
+        return caches
 
 
 def _check_signature(bundle: Path, entry, art, found) -> None:
@@ -176,9 +208,10 @@ def _check_signature(bundle: Path, entry, art, found) -> None:
         )
 
 
-def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tuple[str, str], list[torch.Tensor]]:
-    """The weight inputs of each (entry id, instance path), in the manifest's order, with
-    what bind does to them done: derived weights made, fp8 rescaled for the target."""
+def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tuple[str, str], Weights]:
+    """The weight inputs of each (entry id, instance path), in the manifest's order, each
+    made when a program asks for it with what bind does to it done: derived weights
+    made, fp8 rescaled for the target (once per instance, whichever entries read it)."""
     shared: dict = {}  # one derived or stored tensor per instance, whichever entries read it
     out = {}
     for entry in manifest.entries:
@@ -187,7 +220,7 @@ def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tu
                 instance = model.get_submodule(path)
             except AttributeError:
                 raise BundleError(f"{bundle}: entry {entry.id} is for module {path!r}, which the model does not have") from None
-            out[entry.id, path] = [_weight(instance, path, w, bundle, shared) for w in entry.weights]
+            out[entry.id, path] = Weights([functools.partial(_weight, instance, path, w, bundle, shared) for w in entry.weights])
     return out
 
 
@@ -212,7 +245,9 @@ def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, shar
             f"weight {path}.{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for "
             f"{spec.stride}; make it contiguous (tensor.contiguous()) before binding"
         )
-    return t.detach()
+    # One detached tensor per model tensor (a tied one included), whichever entries and
+    # instances take it: a device places each once.
+    return shared.setdefault(("detached", id(t)), (t, t.detach()))[1]
 
 
 def _tensor(instance: nn.Module, path: str, name: str, bundle: Path) -> torch.Tensor:

@@ -13,6 +13,12 @@ bucket are an error.
 A packed cache (aotc.kvcache) that the graph takes as one input per region
 arrives as `Regions`, one allocation per region; each goes to its input.
 
+The dispatcher calls bound steps (`Program.bind`), which take the method's
+arguments only: the weights are already where the graphs run. On a resident
+device (runtime.resident) activations are put there once per step (shared
+ones once for every layer), caches are the device's allocations, and outputs
+stay there as `Resident` tensors until torch reads them.
+
 The dispatchers of one bound model share a `StepMemo`, so that a step's host
 work does not grow with the layer count: an input every layer takes (RoPE
 tables, positions, slots) is padded once, the context bucket of a positions
@@ -28,9 +34,11 @@ import functools
 
 import torch
 
+from ..backends.base import HOST, Device, DeviceBuffer, Step
 from ..errors import BundleError
 from ..format import EntryRecord
 from ..kvcache import Regions
+from .resident import Resident
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -43,7 +51,9 @@ def _dtype(name: str) -> torch.dtype:
 class StepMemo:
     """What dispatchers make once and share, by the tensor it was made from (the same
     object, unchanged in place since). It holds a reference to each such tensor, so that
-    its id is not reused while remembered, and forgets everything past LIMIT entries."""
+    its id is not reused while remembered, and past LIMIT entries forgets the one used
+    least recently (a step's entries are the newest: clearing all at once would drop
+    them mid-step)."""
 
     LIMIT = 32
 
@@ -52,12 +62,16 @@ class StepMemo:
         self.outputs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # the last padded call's
 
     def get(self, t: torch.Tensor, what):
-        hit = self.made.get((id(t), what))
-        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
+        key = (id(t), what)
+        hit = self.made.get(key)
+        if hit is None or hit[0] is not t or hit[1] != t._version:
+            return None
+        self.made[key] = self.made.pop(key)  # the newest again: used this step
+        return hit[2]
 
     def put(self, t: torch.Tensor, what, value):
         if len(self.made) >= self.LIMIT:
-            self.made.clear()
+            del self.made[next(iter(self.made))]  # dicts keep insertion order: the oldest
         self.made[(id(t), what)] = (t, t._version, value)
         return value
 
@@ -78,15 +92,19 @@ class StepMemo:
 class Dispatcher:
     """One instance's entry method, run compiled. `graphs`: for each context bucket of
     the entry (one entry record each; a single one with no context), the record and
-    its loaded programs by bucket. `memo`: shared by the dispatchers of one model."""
+    its steps (programs bound to this instance's weights) by bucket, all on `device`.
+    `memo`: shared by the dispatchers of one model."""
 
-    def __init__(self, graphs: list[tuple[EntryRecord, dict]], weights: list[torch.Tensor], memo: StepMemo | None = None):
+    def __init__(self, graphs: list[tuple[EntryRecord, dict[int, Step]]], device: Device = HOST, memo: StepMemo | None = None):
         entry = graphs[0][0]
         self.memo = memo or StepMemo()
         self.entry_id = entry.id.removesuffix(f".c{entry.artifacts[0].dims.get('context')}")  # one name for every context
         self.split = entry.split
-        self.weights = weights
+        self.device = device
+        self.resident = device.resident
         inputs = entry.artifacts[0].inputs
+        # Outputs' trailing dims and dtypes: a resident output's shape is known without reading it.
+        self.outputs = [(tuple(o.shape[1:]), _dtype(o.dtype)) for o in entry.artifacts[0].outputs]
         # The method's arguments, in order; a packed cache's regions are consecutive inputs.
         self.names = list(dict.fromkeys(a.region.of if a.region else a.name for a in inputs))
         position = {name: i for i, name in enumerate(self.names)}
@@ -103,14 +121,15 @@ class Dispatcher:
         if entry.context_arg is not None and entry.context_arg not in position:
             raise BundleError(f"manifest.json: entry {entry.id}: context_arg {entry.context_arg!r} is not one of its arguments; rebuild the bundle")
         self.context_at = position.get(entry.context_arg)
-        # By context bucket (None: the entry has none): the programs by bucket, and each
-        # cache input's (shape, stride) in those graphs: the first positions of the cache.
-        self.programs, self.layouts = {}, {}
-        for record, programs in graphs:
+        # By context bucket (None: the entry has none): the steps by bucket, and each
+        # cache input's (shape, stride) in those graphs: the first positions of the cache
+        # (or all of it, where the graph slices it: a backend without views).
+        self.steps, self.layouts = {}, {}
+        for record, steps in graphs:
             context = record.artifacts[0].dims.get("context")
-            self.programs[context] = programs
+            self.steps[context] = steps
             self.layouts[context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in record.artifacts[0].inputs]
-        self.contexts = sorted(self.programs, key=lambda c: c or 0)
+        self.contexts = sorted(self.steps, key=lambda c: c or 0)
         self.buckets = sorted(graphs[0][1])
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
@@ -137,13 +156,23 @@ class Dispatcher:
         if len(rows) == 1:
             return self._run(context, args, n)
         pieces, start = [], 0
-        for m in rows:
-            part = [a if cache else a[start : start + m] for a, cache in zip(args, self.arg_is_cache)]
-            pieces.append(self._run(context, part, m))
+        for i, m in enumerate(rows):
+            part = [a if cache else self._rows(a, i, rows, start, m) for a, cache in zip(args, self.arg_is_cache)]
+            pieces.append(self._run(context, part, m, i))
             start += m
+        join = Resident.joined if self.resident else torch.cat
         if self.single:
-            return torch.cat(pieces)
-        return tuple(torch.cat(outs) for outs in zip(*pieces))
+            return join(pieces)
+        return tuple(join(list(outs)) for outs in zip(*pieces))
+
+    def _rows(self, a, i: int, rows: list[int], start: int, m: int):
+        """Rows start:start+m of an argument, the i-th of calls of `rows` rows: on a resident
+        device, the i-th piece of the previous layer's output as it is, where it was cut alike."""
+        if isinstance(a, Resident) and a.unchanged() and [r for _, r, _ in a.parts] == rows:
+            return a.piece(i)
+        # The same view for every layer, so that what is made from it (padded, put) is made once.
+        found = self.memo.get(a, ("rows", start, m))
+        return found if found is not None else self.memo.put(a, ("rows", start, m), a[start : start + m])
 
     def pieces(self, n: int) -> list[int]:
         """The rows of each consecutive call for n rows of a split entry: whole largest
@@ -159,7 +188,7 @@ class Dispatcher:
             return None
         positions = args[self.context_at]
         found = self.memo.get(positions, "context")
-        if found is not None and found in self.programs:
+        if found is not None and found in self.steps:
             return found
         need = int(positions.max()) + 1
         for c in self.contexts:
@@ -170,25 +199,52 @@ class Dispatcher:
             "rebuild with a larger --max-seq"
         )
 
-    def _run(self, context: int | None, args, n: int):
+    def _run(self, context: int | None, args, n: int, call: int = 0):
         layout = self.layouts[context]
         bucket = self.bucket_for[n]
-        flat = self.weights.copy()  # the program takes the list over
+        flat = []  # the step takes the list over
         for i, (arg, span, cache, dtype, pad) in enumerate(self.plan):
             a = args[arg] if span is None else self._region(args[arg], arg, span)
             if a.dtype != dtype:
                 raise BundleError(f"{self.entry_id}: argument {self.names[arg]!r} is {a.dtype}, the graph takes {dtype}")
             if cache:
                 a = self._positions_of(a, arg, *layout[i])
-            elif n != bucket:
-                a = self._padded(a, bucket, pad)
-            elif not a.is_contiguous():
-                a = a.contiguous()
+            elif self.resident:
+                a = self._on_device(a, bucket, pad, (i, call))
+            else:
+                if isinstance(a, Resident):  # another device's output: through the host
+                    a = a.host()
+                if n != bucket:
+                    a = self._padded(a, bucket, pad)
+                elif not a.is_contiguous():
+                    a = a.contiguous()
             flat.append(a)
-        outs = self.programs[context][bucket].run(flat)
-        if n != bucket:
+        outs = self.steps[context][bucket].run(flat, call) if call else self.steps[context][bucket].run(flat)
+        if self.resident:
+            outs = [Resident(self.device, [(o, n, bucket)], (n, *trailing), dtype) for o, (trailing, dtype) in zip(outs, self.outputs)]
+        elif n != bucket:
             outs = self.memo.sliced(outs, n)
         return outs[0] if self.single else tuple(outs)
+
+    def _on_device(self, a, bucket: int, pad, key):
+        """An activation as the device's value at this bucket: a resident output of the same
+        device as it is (its padding rows are padding's own results where the pad value is
+        the default 0, as in StepMemo.whole), else the host tensor padded and put, once per
+        tensor that several calls take."""
+        if isinstance(a, Resident):
+            if a.on is self.device and a.unchanged() and len(a.parts) == 1:
+                array, rows, whole = a.parts[0]
+                if whole == bucket and (rows == bucket or pad == 0):
+                    return array
+            a = a.host()
+        if a.shape[0] != bucket:
+            a = self._padded(a, bucket, pad)
+        elif not a.is_contiguous():
+            a = a.contiguous()
+        found = self.memo.get(a, "put")
+        if found is not None:
+            return found
+        return self.memo.put(a, "put", self.device.put(a, (self.entry_id, key, bucket)))
 
     def _padded(self, a: torch.Tensor, bucket: int, pad) -> torch.Tensor:
         """`a` with padding rows up to the bucket: made once per tensor that several calls
@@ -205,9 +261,17 @@ class Dispatcher:
         out[a.shape[0] :] = pad
         return self.memo.put(a, (bucket, pad), out)
 
-    def _positions_of(self, cache: torch.Tensor, arg: int, shape: torch.Size, stride: tuple) -> torch.Tensor:
+    def _positions_of(self, cache, arg: int, shape: torch.Size, stride: tuple):
         """The view of `cache` the graph takes: its first positions (a context bucket's), or all
-        of it. A context bucket's view is made once per cache and kept on it."""
+        of it. A context bucket's view is made once per cache and kept on it. A device's
+        allocation goes as it is: its graphs take it whole."""
+        if isinstance(cache, DeviceBuffer):
+            if cache.shape != shape or cache.device is not self.device:
+                raise BundleError(
+                    f"{self.entry_id}: cache {self.names[arg]!r} is a {list(cache.shape)} allocation on another device or of "
+                    f"another shape; the graph takes the whole layer cache, {list(shape)}, allocated for this bundle"
+                )
+            return cache
         views = getattr(cache, "_aotc_first", None)
         if views is not None and shape in views:
             return views[shape]

@@ -34,6 +34,7 @@ import torch
 
 from .. import quant
 from ..backends import Backend, get_backend_class
+from ..backends.base import DeviceBuffer
 from ..entry import entries_of
 from ..format import Manifest, read_manifest
 from ..layout import Stored, keep_stored
@@ -197,17 +198,30 @@ def _run(entry, bucket: int, program, weights, before):
     """The artifact on a copy of the eager inputs; a packed cache goes in as its regions,
     each a copy of its own, and comes back packed, to compare byte for byte."""
     args = [a.clone() for a in before]
-    dispatcher = Dispatcher([(entry, {bucket: program})], weights)
+    step = program.bind(weights)
+    device = step.device
+    dispatcher = Dispatcher([(entry, {bucket: step})], device)
     spans: dict[str, dict] = {}
     for spec in entry.artifacts[0].inputs:
         if spec.region is not None:
             spans.setdefault(spec.region.of, {})[(spec.region.start, spec.region.end)] = getattr(torch, spec.dtype)
     given = [Regions.unpack(a, spans[name]) if name in spans else a for name, a in zip(dispatcher.names, args)]
+    if device.resident:  # caches go in as the device's allocations and come back as host copies
+        given = [_on(device, g) if cache else g for g, cache in zip(given, dispatcher.arg_is_cache)]
     out = dispatcher(*given)
     for a, g in zip(args, given):
         if isinstance(g, Regions):
-            g.pack_into(a)
+            Regions({span: t.to_host() if isinstance(t, DeviceBuffer) else t for span, t in g.tensors.items()}).pack_into(a)
+        elif isinstance(g, DeviceBuffer):
+            a.copy_(g.to_host())
     return _clone(out), args
+
+
+def _on(device, cache):
+    """A host cache (or its regions) as allocations of the device, holding its values."""
+    if isinstance(cache, Regions):
+        return Regions({span: _on(device, t) for span, t in cache.tensors.items()})
+    return DeviceBuffer(device, device.hold(cache), tuple(cache.shape), cache.dtype)
 
 
 def _compare(got, want, check: ArtifactCheck, what: str) -> tuple[float, float]:

@@ -237,3 +237,26 @@ def test_a_write_up_to_the_last_position_maps_dim_by_dim():
 
     gm, _ = run_against_eager(LastPositions(), [torch.randn(2, 3, 2, 8), torch.randn(2, 3, 16, 8)], 1)
     assert not any(n.target is aten.floor_divide.default for n in gm.graph.nodes)
+
+
+class ContextWrite(nn.Module):
+    """A decode layer's write on a backend without views: the whole layer cache comes in,
+    the graph reads and writes its first 8 positions (a context bucket)."""
+
+    def forward(self, k, pos, slots, cache):  # cache: [slots, H, S, D]; k: [N, H, D]
+        first = cache[:, :, :8]
+        first[slots, :, pos] = k
+        return first[: k.shape[0]].sum(2)
+
+
+def test_a_write_through_the_first_positions_is_the_same_write_on_the_cache():
+    """Case 6: a prefix view written with an index tensor in each narrowed dim becomes the
+    same index_put_ on the input, with no index tensors built (no arange in the graph)."""
+    k = torch.randn(3, 2, 8)
+    pos = torch.tensor([5, 0, 7])
+    slots = torch.tensor([0, 2, -1])  # padding rows: the scratch slot
+    gm = check(ContextWrite(), [k, pos, slots, torch.randn(4, 2, 16, 8)], 3, expected_writes=1)
+    (write,) = writes(gm)
+    assert write.args[1][0].name == "slots" and write.args[1][1] is None  # the user's own indices, dim 1 whole
+    assert write.args[1][2].target is aten.remainder.Scalar and write.args[1][2].args == (write.args[1][2].args[0], 8)
+    assert not any(n.target is aten.arange.default for n in gm.graph.nodes)

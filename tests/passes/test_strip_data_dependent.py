@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from aotc.backends import Specs, get_backend_class
+from aotc.backends.base import Weights
 from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.errors import TraceError
@@ -304,12 +305,12 @@ def test_v4_static_graph_with_skinny_linears_compiles_with_inductor(v4, tmp_path
     assert not has_unbacked(graph.graph_module)
     backend = InductorBackend()
     backend.compile(graph.program, Specs(graph.inputs, graph.outputs), tmp_path)
-    run = backend.load(tmp_path, None).run
+    program = backend.load(tmp_path, None)
     layer, spec = variant.module, variant.spec
     inputs = {k: (v if k in spec.caches else v[:1]) for k, v in v4_inputs(layer, spec, g).items()}
     eager = [a.clone() for a in inputs.values()]
     expected = layer.decode(*eager)
     args = [a.clone() for a in inputs.values()]
-    (out,) = run(weight_values(layer) + args)
+    (out,) = program.bind(Weights.of(weight_values(layer))).run(args)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(args[-1], eager[-1], atol=1e-5, rtol=1e-5)  # the kv cache, written in place
