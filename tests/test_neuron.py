@@ -289,3 +289,127 @@ def test_real_neuron_compile_and_run(tiny_dir, tmp_path):
     r = runner.invoke(app, ["run", str(out), "--check", "--json", "--prompt", "Hello", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert_check_report(json.loads(r.output), "neuron")
+
+
+# -- a Neuron host simulated on the CPU -------------------------------------------------
+#
+# neuronx-cc and nrtpy are test doubles (tests/fakes): the compiler writes its HLO into the
+# NEFF, and nrtpy, with exactly the documented API, runs it on XLA's CPU client and counts
+# the bytes that cross. aotc's neuron runtime then runs as it would on a Neuron host.
+
+CROSSING = " ".join(["one two three four five six seven"] * 6)  # over two chunks of 16 tokens
+
+
+@pytest.fixture()
+def neuron_host(monkeypatch, stand_in):
+    """The compiler double on PATH and the nrtpy double importable; its counters."""
+    monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
+    monkeypatch.syspath_prepend(str(FAKES))
+    from nrtpy._double import COUNTERS
+
+    COUNTERS.reset()
+    yield COUNTERS
+
+
+def _simulated_run(model_dir, out, *flags):
+    runner = CliRunner()
+    r = runner.invoke(app, [
+        "build", str(model_dir), "--backend", "neuron", *flags, "--buckets", "1,4", "--prefill-chunk", "16", "--max-seq", "128",
+        "--context-buckets", "64", "--no-cache", "--jobs", "1", "-o", str(out),
+    ])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    for prompts in (["Hello"], ["Hello", CROSSING, "the quick brown fox"]):  # batch 1, and 3 in bucket 4
+        asked = [a for p in prompts for a in ("--prompt", p)]
+        r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-new-tokens", "8", "--max-batch", "3", *asked])
+        assert r.exit_code == 0, r.output
+        check = json.loads(r.output)["check"]
+        assert check["passed"] and check["tokens_equal"], check["per_prompt"]
+    r = runner.invoke(app, ["verify", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    # Each NEFF ran through the runtime, and hlo.pb on XLA's CPU client against it.
+    assert report["passed"] and {(a["reference"], a["reference_vs"]) for a in report["artifacts"]} == {("hlo.pb", "model.neff")}
+
+
+@lowers
+def test_a_simulated_neuron_host_builds_runs_check_and_verifies(tiny_dir, tmp_path, neuron_host):
+    _simulated_run(tiny_dir, tmp_path / "bundle")
+    assert neuron_host.executions > 0
+
+
+@pytest.mark.slow
+@lowers
+def test_a_simulated_trn2_host_runs_v4_with_rescaled_fp8_weights(tmp_path, neuron_host):
+    """fp8 checkpoint weights rescaled once at bind for trn2, which reads fp8 bytes as IEEE
+    e4m3 (so does the double, given the compiler's fp8 flag): tokens exact."""
+    from aotc.models.tiny import write_tiny
+
+    model_dir = write_tiny(tmp_path / "v4", arch="deepseek_v4", layers=3, quantize="fp8")
+    _simulated_run(model_dir, tmp_path / "bundle", "--compiler-flag", "target=trn2")
+
+
+@lowers
+def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tiny_dir, tmp_path, neuron_host):
+    """Bound once: weights sent at bind; caches allocated on the device (their zeros sent
+    once: nrtpy has no zeroed allocation) and never sent or read again; each execution
+    sends at most 1% of the weight bytes (its activations, refilled in place); only
+    outputs torch reads (the logits, prefill's last row) come back."""
+    from aotc.models.base import load_model
+    from aotc.runtime.resident import buffers
+
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=128, context_buckets=(64,), backend="neuron", use_cache=False, jobs=1)).out
+    bundle, model = Bundle.load(out), load_model(tiny_dir).model
+    bundle.bind(model)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "model.embed_tokens.weight")
+    assert neuron_host.to_device >= weight_bytes  # placed at bind (and the outputs' buffers)
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    held = [b.value for b in buffers(caches)]
+    neuron_host.reset()
+    logits = model.prefill(torch.arange(3, 43), 0, caches)  # 40 tokens: three chunks
+    ids, positions = logits.argmax(-1, keepdim=True), torch.tensor([40])
+    for _ in range(30):  # across the 64-position context bucket
+        logits = model.decode(ids, positions, caches)
+        ids, positions = logits.argmax(-1), positions + 1
+    assert neuron_host.executions == 3 * 2 + 1 + 30 * 3  # 2 layers a chunk, the head once; 2 layers and the head a step
+    assert max(neuron_host.before_execution) <= 0.01 * weight_bytes, max(neuron_host.before_execution)
+    assert all(neuron_host.per_tensor[id(t)] == [0, 0] for t in held)  # caches: nothing sent, nothing read
+    assert neuron_host.to_host == 16 * model.config.hidden_size * 4 + 31 * model.config.vocab_size * 4  # a chunk's rows for x[-1:], then logits
+
+
+def test_the_nrtpy_double_refuses_what_nrtpy_refuses(tmp_path):
+    """The double's own contract (the Neuron SDK docs, "nrtpy model/tensor API"): device
+    tensors only, known names, equal byte sizes."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(FAKES))
+    try:
+        import nrtpy
+    finally:
+        sys.path.remove(str(FAKES))
+    t = nrtpy.NrtpyTensor.from_numpy(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="Size mismatch: source 8 bytes, target 24 bytes"):
+        t.write_from_numpy(np.zeros(2, np.float32))
+    t.write_from_numpy(np.arange(6, dtype=np.float32))
+    assert t.numpy().ravel().tolist() == list(range(6))
+    with pytest.raises(nrtpy.NrtError, match="Failed to load model"):
+        nrtpy.NrtpyModel.load_from_neff(tmp_path / "missing.neff")
+    # A NEFF as the compiler double writes one: a header line, then the HLO, named as aotc names it.
+    import jax
+    import jax.numpy as jnp
+
+    pb = jax.jit(lambda x: (x * 2,)).lower(jnp.zeros((2, 3), jnp.float32)).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    (tmp_path / "m.neff").write_bytes(nrtpy.MAGIC + b"{}\n" + neuron.named_hlo(pb)[0])
+    model = nrtpy.NrtpyModel.load_from_neff(tmp_path / "m.neff")
+    assert {n: (i.shape, i.size, i.dtype) for n, i in model.input_tensors_info.items()} == {"input0": ([2, 3], 24, "float32")}
+    assert list(model.output_tensors_info) == ["output0"]
+    with pytest.raises(AttributeError, match="tensor_ref"):
+        model(inputs={"input0": np.zeros((2, 3), np.float32)})  # a numpy array is not a device tensor
+    with pytest.raises(ValueError, match=r"Unknown input\(s\) \{'x'\}"):
+        model(inputs={"x": t})
+    with pytest.raises(AssertionError, match="expected shape"):
+        model(inputs={"input0": nrtpy.NrtpyTensor.from_numpy(np.zeros(6, np.float32))})
+    out = nrtpy.NrtpyTensor.from_numpy(np.zeros((2, 3), np.float32))
+    assert model(inputs={"input0": t}, outputs={"output0": out}) is None
+    assert out.numpy().ravel().tolist() == [2.0 * i for i in range(6)]

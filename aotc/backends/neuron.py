@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import AotcError, BackendError
+from ..errors import AotcError, BackendError, BundleError
 from ..format import ArtifactRecord, sha256_file
 from . import xla
-from .base import HOST, Attempted, Backend, Bisector, CompileResult, Program, Progress, Specs, Step, Weights, one_device, parallel_jobs, register_backend
+from .base import Attempted, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, one_device, parallel_jobs, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -227,29 +227,202 @@ class HloBisector(Bisector):
         return Attempted(code, cmd, xla.HLO_PROTO, LOG)
 
 
+# The NEFF's tensor names: neuronx-cc takes them from the HLO's frontend attributes
+# (`neff_input_names` on each entry parameter, `neff_output_names` on the root), which
+# the neuron backend writes as torch-neuronx does (named_hlo).
+INPUT_NAME, OUTPUT_NAME = "input{}", "output{}"
+_ENTRY_PARAMETER = re.compile(r"^(\s*\S+ = \S+ parameter\((\d+)\))(.*)$")
+
+
+def named_hlo(hlo_proto: bytes) -> tuple[bytes, str]:
+    """The HLO module with its NEFF tensor names, as (proto, text): parameter i of the entry
+    computation is input{i}, element j of its result output{j}. Through jaxlib's HLO text
+    parser, which keeps every other attribute (the input/output aliases of the caches)."""
+    from jax._src.lib import xla_client
+    from jaxlib import _hlo  # the HLO text parser; jax exposes none publicly (pinned in pyproject)
+
+    lines = xla_client.XlaComputation(hlo_proto).get_hlo_module().to_string().splitlines()  # with op_name metadata, which lint reads
+    entry = next(i for i, line in enumerate(lines) if line.startswith("ENTRY "))
+    root = next(i for i in range(entry, len(lines)) if lines[i].lstrip().startswith("ROOT "))
+    for i in range(entry + 1, len(lines)):
+        m = _ENTRY_PARAMETER.match(lines[i])
+        if m:
+            lines[i] = f'{m.group(1)}, frontend_attributes={{neff_input_names="{INPUT_NAME.format(m.group(2))}"}}{m.group(3)}'
+    results = xla_client.XlaComputation(hlo_proto).program_shape().result_shape()
+    count = len(results.tuple_shapes()) if results.is_tuple() else 1
+    names = ",".join(OUTPUT_NAME.format(j) for j in range(count))
+    lines[root] += f', frontend_attributes={{neff_output_names="{names}"}}'
+    module = _hlo.hlo_module_from_text("\n".join(lines))
+    proto = module.as_serialized_hlo_module_proto()
+    return proto, xla_client.XlaComputation(proto).as_hlo_text()
+
+
+def neff_array(t: torch.Tensor):
+    """A host tensor as the NEFF's tensors hold it: fp8 bytes as int8 (as libnrt reports
+    them), bf16 as ml_dtypes', int64 as int32 (the HLO computes without x64)."""
+    import ml_dtypes
+
+    t = t.detach().contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.int8).numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.int64:
+        return t.to(torch.int32).numpy()
+    return t.numpy()
+
+
+def host_tensor(array, dtype: torch.dtype) -> torch.Tensor:
+    """A NEFF tensor's numpy copy as a torch tensor of `dtype` (the bytes reinterpreted
+    where libnrt's type stands for another: int8 for fp8, int32 for int64)."""
+    import numpy as np
+
+    if dtype == torch.int64:
+        return torch.from_numpy(np.ascontiguousarray(array).astype(np.int64))
+    raw = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8).copy())
+    return raw.view(dtype).reshape(array.shape)
+
+
+class Staged:
+    """An activation put on the device: the staging tensor of its input, refilled with
+    write_from_numpy, and the host tensor it holds as of generation `gen`."""
+
+    __slots__ = ("slot", "gen", "host")
+
+    def __init__(self, slot: list, gen: int, host: torch.Tensor):
+        self.slot, self.gen, self.host = slot, gen, host
+
+
+class Output:
+    """A graph's output in a buffer of its step's own (one per call of a split method),
+    written again when that step runs again: `gen` says which run wrote it."""
+
+    __slots__ = ("slot", "gen")
+
+    def __init__(self, slot: list, gen: int):
+        self.slot, self.gen = slot, gen
+
+
+class NeuronDevice(Device):
+    """A NeuronCore through nrtpy's documented API: weights made NrtpyTensors once, caches
+    allocated as NrtpyTensors and written in place by the NEFFs, activations refilled
+    into staging tensors of their own (write_from_numpy), results read with numpy()."""
+
+    resident = True
+
+    def __init__(self, core_id: int):
+        import nrtpy
+
+        self.nrtpy, self.core_id = nrtpy, core_id
+        self._placed: dict[int, tuple[torch.Tensor, object]] = {}
+        self._staging: dict[tuple, list] = {}  # (key, shape, dtype) -> [NrtpyTensor, generation]
+
+    def place(self, weight: torch.Tensor):
+        found = self._placed.get(id(weight))
+        if found is None or found[0] is not weight:
+            found = self._placed[id(weight)] = (weight, self.nrtpy.NrtpyTensor.from_numpy(neff_array(weight), core_id=self.core_id))
+        return found[1]
+
+    def put(self, t: torch.Tensor, key=None) -> Staged:
+        array = neff_array(t)
+        at = (key, array.shape, array.dtype.str)
+        slot = self._staging.get(at)
+        if slot is None:
+            slot = self._staging[at] = [self.nrtpy.NrtpyTensor.from_numpy(array, core_id=self.core_id), 0]
+        else:
+            slot[0].write_from_numpy(array)
+        slot[1] += 1
+        return Staged(slot, slot[1], t)
+
+    def tensor(self, value):
+        """The NrtpyTensor a call takes for a value: a staged activation refilled if another has
+        used its staging tensor since; an output only if its step has not run again."""
+        if isinstance(value, Staged):
+            if value.slot[1] != value.gen:
+                value.slot[0].write_from_numpy(neff_array(value.host))
+                value.slot[1] += 1
+                value.gen = value.slot[1]
+            return value.slot[0]
+        if isinstance(value, Output):
+            if value.slot[1] != value.gen:
+                raise BundleError(
+                    "a graph's output was used after that graph ran again (its device buffer holds the newer result); "
+                    "read a bound model's outputs before its next call, or clone them"
+                )
+            return value.slot[0]
+        return value  # a weight or a cache: an NrtpyTensor of its own
+
+    def get(self, value, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = self.tensor(value)
+        if isinstance(value, Staged):
+            dtype = value.host.dtype
+        return host_tensor(tensor.numpy(), dtype or torch.float32)
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype):
+        # nrtpy documents no zeroed allocation: the zeros are sent once, when the cache is made.
+        return self.hold(torch.zeros(shape, dtype=dtype))
+
+    def hold(self, t: torch.Tensor):
+        return self.nrtpy.NrtpyTensor.from_numpy(neff_array(t), core_id=self.core_id)
+
+
 class NeffProgram(Program):
+    """A NEFF run through nrtpy: loaded on the rank's NeuronCore when first bound there, its
+    weights placed once per instance, its caches given as outputs too (the NEFF writes
+    them in place, as the HLO's input/output aliases say), each other output written
+    into a buffer of the step's own."""
+
     label = NEFF
 
-    def __init__(self, model, mutated: list[int]):
-        self.model = model
-        self.in_names = list(model.input_tensors_info)
-        self.out_names = list(model.output_tensors_info)
-        self.mutated = mutated
+    def __init__(self, backend: "NeuronBackend", neff: Path, record: ArtifactRecord):
+        self.backend, self.neff, self.record = backend, neff, record
+        self._models: dict[int, object] = {}  # core -> NrtpyModel
+
+    def _model(self, device: NeuronDevice, rank: int, world_size: int, count: int):
+        """The NEFF loaded on the device's core once, its `count` inputs named as aotc names them."""
+        model = self._models.get(device.core_id)
+        if model is None:
+            model = self._models[device.core_id] = device.nrtpy.NrtpyModel.load_from_neff(str(self.neff), core_id=device.core_id, rank_id=rank, world_size=world_size)
+            expected = {INPUT_NAME.format(i) for i in range(count)}
+            if set(model.input_tensors_info) != expected:
+                raise BundleError(
+                    f"{self.neff}: its inputs are {sorted(model.input_tensors_info)[:4]}..., not input0..input{count - 1} as aotc "
+                    "names them in the HLO (neff_input_names); rebuild the bundle with this aotc"
+                )
+        return model
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         one_device(NeuronBackend.name, rank, world_size)
-        tensors = weights.tensors()
+        device = self.backend.device_for(rank, world_size)
+        model = self._model(device, rank, world_size, len(weights) + len(self.record.inputs))
+        placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
+        names = [INPUT_NAME.format(i) for i in range(len(placed) + len(self.record.inputs))]
+        mutated = self.record.extra.mutated
+        written = [position - len(placed) for position in mutated]  # among the method's arguments
+        outputs = [(OUTPUT_NAME.format(len(mutated) + j), tuple(o.shape), getattr(torch, o.dtype)) for j, o in enumerate(self.record.outputs)]
+        buffers: dict[int, list[list]] = {}  # call -> [NrtpyTensor, generation] per output
+
+        def slots(call: int) -> list[list]:
+            if call not in buffers:
+                buffers[call] = [[device.allocate(shape, dtype), 0] for _, shape, dtype in outputs]
+            return buffers[call]
+
+        slots(0)  # allocated at bind, not during the first step
+        weight_inputs = dict(zip(names, placed))
 
         def step(args: list, call: int = 0) -> list:
-            inputs = [*tensors, *args]
-            # The HLO's parameters and results are positional, in the graph's order.
-            outs = self.model({name: a.detach().cpu().numpy() for name, a in zip(self.in_names, inputs)})
-            outs = [torch.from_numpy(outs[name]) for name in self.out_names]
-            for position, new in zip(self.mutated, outs):
-                inputs[position].copy_(new)
-            return outs[len(self.mutated) :]
+            inputs = dict(weight_inputs)
+            for name, a in zip(names[len(placed) :], args):
+                inputs[name] = device.tensor(a.value if isinstance(a, DeviceBuffer) else a)
+            given = {OUTPUT_NAME.format(j): args[at].value for j, at in enumerate(written)}  # caches, in place
+            mine = slots(call)
+            for (name, _, _), slot in zip(outputs, mine):
+                given[name] = slot[0]
+                slot[1] += 1
+            model(inputs=inputs, outputs=given)
+            return [Output(slot, slot[1]) for slot in mine]
 
-        return Step(HOST, step, tensors)
+        return Step(device, step, placed)
 
 
 @register_backend
@@ -277,6 +450,7 @@ class NeuronBackend(Backend):
         return cls(**flags)
 
     def __init__(self, **options):
+        self._devices: dict[int, NeuronDevice] = {}
         try:
             self.options = NeuronOptions(**options)
         except TypeError as e:
@@ -311,10 +485,11 @@ class NeuronBackend(Backend):
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         lowered = xla.lower(program, specs)
-        (out_dir / xla.HLO_PROTO).write_bytes(lowered.hlo_proto)
-        (out_dir / xla.HLO_TEXT).write_text(lowered.hlo_text)
+        proto, text = named_hlo(lowered.hlo_proto)  # the NEFF's tensor names, for the runtime to bind
+        (out_dir / xla.HLO_PROTO).write_bytes(proto)
+        (out_dir / xla.HLO_TEXT).write_text(text)
         fp8 = has_fp8(program.graph_module)
-        findings = lint(lowered.hlo_proto, lowered.sources, listed_operators())
+        findings = lint(proto, lowered.sources, listed_operators())
         cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
         # For people reading the bundle; --resume rebuilds the command from the typed flags.
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
@@ -360,9 +535,13 @@ class NeuronBackend(Backend):
         return [a for _, a in pending]
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
-        import nrtpy
+        return NeffProgram(self, art_dir / NEFF, record)
 
-        return NeffProgram(nrtpy.NrtpyModel.load_from_neff(str(art_dir / NEFF)), record.extra.mutated)
+    def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
+        # One NeuronCore per rank: the rank's core_id.
+        if rank not in self._devices:
+            self._devices[rank] = NeuronDevice(rank)
+        return self._devices[rank]
 
     def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:
         return xla.hlo_reference(art_dir, record)
