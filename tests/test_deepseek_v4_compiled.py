@@ -68,7 +68,8 @@ def hlo_dynamic_dims(text: str) -> list[str]:
     return re.findall(r"\w+\[[^\]]*<=[^\]]*\]", text)
 
 
-@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax"))])
+# CI runs the cheap backend; xla (3 minutes here) under slow.
+@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax")])])
 def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
     result = v4_build(v4_dir, tmp_path, backend)
     manifest = result.manifest
@@ -119,6 +120,7 @@ def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
     assert [w.storage_offset() for w in w1] == [e * w1[0].numel() for e in range(4)]
 
 
+@pytest.mark.slow  # 2 minutes; CI builds neuron bundles of the tiny llama (test_neuron.py)
 def test_v4_neuron_cross_build_writes_static_hlo_and_commands(v4_dir, tmp_path, monkeypatch):
     if XlaBackend().can_compile() is not None:
         pytest.skip("needs jax and torchax")
