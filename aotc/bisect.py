@@ -1,7 +1,9 @@
 """`aotc bisect`: shrink a compiler failure to the smallest failing run of graph nodes.
 
 A bundle keeps no pickled graphs, so the failing artifact's graph is traced
-again from the model folder, through the same passes, and lowered as the
+again from the model folder, with the build options the manifest records,
+through the same passes; it must have the artifact's own cache key (else it
+is not the graph that failed, and bisect stops saying so). It is lowered as the
 backend lowers it (its `Bisector`; xla and neuron: functional, decomposed, as
 HLO). Its nodes are cut into contiguous ranges; a range becomes a graph of its
 own, its live inputs as parameters and its live values as outputs, and is
@@ -32,7 +34,7 @@ import torch
 from torch import fx
 
 from .errors import AotcError
-from .format import read_manifest
+from .format import artifact_label, read_manifest
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Attempt:
 class BisectResult:
     entry: str
     bucket: int
+    context: int | None  # the artifact's context bucket; None for an entry without
     code: str
     nodes: list[str]  # the smallest failing range, "name = target"
     sources: list[str]  # each node's source line in the user's model
@@ -64,14 +67,13 @@ class BisectResult:
 
 
 def bisect(
-    bundle: Path | str, entry_id: str, bucket: int, *, model_dir: Path | str | None = None, compiler: str | None = None,
-    work: Path | str | None = None, progress: Callable[[str], None] | None = None,
+    bundle: Path | str, entry_id: str, bucket: int, context: int | None = None, *, model_dir: Path | str | None = None,
+    compiler: str | None = None, work: Path | str | None = None, progress: Callable[[str], None] | None = None,
 ) -> BisectResult:  # fmt: skip
+    """`context`: the artifact's context bucket (None: the entry's smallest)."""
     from .backends import Backend, Specs, backend_names, get_backend_class
-    from .build import BuildOptions
-    from .build.plan import make_plan
+    from .build.key import retrace
     from .passes.base import source_line
-    from .trace import trace
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
@@ -81,27 +83,16 @@ def bisect(
     if bisector is None:
         able = [n for n in backend_names() if get_backend_class(n).bisector is not Backend.bisector]
         raise AotcError(f"{bundle} is a {name} bundle; aotc bisect shrinks failures of compilers that take HLO, in {' and '.join(able)} bundles")
-    entry = next((e for e in manifest.entries if e.id == entry_id), None)
-    if entry is None:
-        raise AotcError(f"--entry {entry_id}: {bundle} has no such entry; it has {', '.join(e.id for e in manifest.entries)}")
-    if bucket not in [a.bucket for a in entry.artifacts]:
-        raise AotcError(f"--bucket {bucket}: {entry_id} has buckets {', '.join(str(a.bucket) for a in entry.artifacts)}")
+    entry, art = manifest.find(entry_id, bucket, context)
+    label = artifact_label(entry_id, bucket, art.context)
     argv0 = shlex.split(compiler) if compiler else None
     model_dir = Path(model_dir or manifest.model.source)
-    build_options = BuildOptions(
-        model_dir, batch_buckets=tuple(manifest.shapes.batch), chunk_buckets=tuple(manifest.shapes.chunk), max_seq=manifest.shapes.max_seq,
-        context_buckets=tuple(manifest.shapes.context), backend=name, plugins=tuple(manifest.plugins), kv_cache_dtype=manifest.model.kv_cache.dtype,
-    )  # fmt: skip
-    plan = make_plan(build_options, backend)
-    variant = next((v for v in plan.variants if v.entry_id == entry_id), None)
-    if variant is None:
-        raise AotcError(f"{model_dir} traces no entry {entry_id} today; the model changed since {bundle} was built. Pass --model with the folder it was built from")
     say = progress or (lambda _: None)
-    say(f"tracing {entry_id} bucket {bucket} from {model_dir}")
-    graph = trace(variant, bucket, plan.shapes, plan.backend)
+    say(f"tracing {label} from {model_dir}")
+    graph = retrace(manifest, entry, art, model_dir, backend).graph
     gm = bisector.lower(graph.program, Specs(graph.inputs, graph.outputs))
     units = _units(gm)
-    work = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"aotc-bisect-{entry_id}-b{bucket}-"))
+    work = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"aotc-bisect-{Path(art.dir).parent.name}-{Path(art.dir).name}-"))
     work.mkdir(parents=True, exist_ok=True)
     attempts: dict[tuple[int, int], Attempt] = {}
 
@@ -119,7 +110,7 @@ def bisect(
 
     whole = attempt(0, len(units))
     if not whole.failed:
-        raise AotcError(f"{entry_id} bucket {bucket} compiles; nothing to bisect (work folder {work})")
+        raise AotcError(f"{label} compiles; nothing to bisect (work folder {work})")
     code = whole.code
     fails = lambda s, e: attempt(s, e).code == code  # noqa: E731  (the same failure, not any)
     lo, hi = 1, len(units)  # shortest failing prefix: [0, hi) fails
@@ -136,7 +127,7 @@ def bisect(
     nodes = [n for unit in units[start:end] for n in unit]
     folder = Path(minimal.folder)
     return BisectResult(
-        entry_id, bucket, code,
+        entry_id, bucket, art.context, code,
         [f"{n.name} = {n.target}" for n in nodes], [source_line(n) for n in nodes],
         str(folder / minimal.input), str(folder / minimal.log), f"cd {shlex.quote(str(folder))} && {shlex.join(minimal.command)}",
         len(attempts), len(units), str(work), sorted(attempts.values(), key=lambda a: (a.start, -a.end)),

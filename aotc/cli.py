@@ -112,6 +112,7 @@ MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.
 BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
 PREFILL_CHUNK = typer.Option("128", "--prefill-chunk", help="Prefill chunk lengths, comma-separated.")
 MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
+CONTEXT = typer.Option(None, "--context", help="With --entry and --bucket: the artifact of this context bucket (default: the entry's smallest).")
 CONTEXT_BUCKETS = typer.Option(
     None, "--context-buckets",
     help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins).",
@@ -184,12 +185,13 @@ def build(
         raise typer.Exit(130) from None
     where = result.out if result.out else f"cache {result.cache_dir} (shard {shard})"
     table = Table(title=f"{where}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
-    for col in ("entry", "bucket", "from", "seconds", "size"):
+    for col in ("entry", "bucket", "context", "from", "seconds", "size"):
         table.add_column(col, justify="left" if col in ("entry", "from") else "right")
     for a in result.artifacts:
-        table.add_row(a.entry_id, str(a.bucket), a.source, f"{a.seconds:.2f}", _size(a.size))
+        table.add_row(a.entry_id, str(a.bucket), "" if a.context is None else str(a.context), a.source, f"{a.seconds:.2f}", _size(a.size))
     console.print(table)
-    for v in result.variants:
+    entries = {v.entry_id: v for v in result.variants}  # an entry traced per context bucket is one entry
+    for v in entries.values():
         if v.attributes:  # one class's instances split into variants: say which and why
             attrs = ", ".join(f"{k}={val!r}" for k, val in v.attributes.items())
             paths = [p for p, _ in v.instances]
@@ -197,7 +199,7 @@ def build(
     if result.graphs_traced:
         layers = len({(path, v.spec.method) for v in result.variants for path, _ in v.instances})  # context buckets: one instance
         console.print(
-            f"traced {result.graphs_traced} graphs for {len(result.variants)} entries serving {layers} module instances "
+            f"traced {result.graphs_traced} graphs for {len(entries)} entries serving {layers} module instances "
             f"in {result.seconds:.1f} s -> {where}"
         )
     else:
@@ -237,7 +239,7 @@ def _resume(bundle: Path, jobs: Optional[int]) -> None:
     if not done:
         console.print(f"{bundle}: nothing pending")
         return
-    console.print(f"compiled {len(done)} pending artifacts: {', '.join(f'{e} b{b}' for e, b in done)}; {bundle} is ready to run")
+    console.print(f"compiled {len(done)} pending artifacts: {', '.join(done)}; {bundle} is ready to run")
 
 
 cache_app = typer.Typer(help="The compile cache.", no_args_is_help=True)
@@ -492,10 +494,13 @@ def verify(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."),
     strict: bool = typer.Option(False, "--strict", help="Also fail on neuron lint findings: dynamic dimensions, f64, 64-bit integers, custom calls in the HLO, and ops that neuronx-cc list-operators does not list (where it is installed)."),
+    entry: Optional[str] = typer.Option(None, "--entry", help="Check this entry's artifacts only (an id as aotc inspect lists it, e.g. LlamaDecoderLayer.decode)."),
+    bucket: Optional[int] = typer.Option(None, "--bucket", help="With --entry: the artifact of this bucket only."),
+    context: Optional[int] = CONTEXT,
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ):
-    """Run every artifact once against the eager entry method, on inputs the model's own
+    """Run every artifact (or the one --entry, --bucket and --context choose) once against the eager entry method, on inputs the model's own
     decode and prefill make (rows one under the bucket where that still maps to it, so
     padding runs), caches filled with random values. Passes when each output and each
     written cache entry is within tol + tol x |eager| (tol: 1e-3 for float32, 1e-1 for
@@ -504,9 +509,10 @@ def verify(
     neuronx-cc compiles), compiled as it is by XLA's CPU client, agrees with model.jax
     (xla) or eager (neuron). Exit 1 on any mismatch."""
     from .runtime.verify import verify as run_verify
+    from .format import artifact_label
 
     try:
-        report = run_verify(path, model, plugin, strict)
+        report = run_verify(path, model, plugin, strict, entry, bucket, context)
     except AotcError as e:
         _fail(e)
     if as_json:
@@ -515,15 +521,15 @@ def verify(
         print(json.dumps(data))
     else:
         table = Table(title=f"{report.bundle}  ({report.backend}, weights: {report.weights})")
-        for col in ("entry", "bucket", "rows", "max abs", "max rel", "tolerance", "reference", "result"):
+        for col in ("entry", "bucket", "context", "rows", "max abs", "max rel", "tolerance", "reference", "result"):
             table.add_column(col, justify="left" if col in ("entry", "reference", "result") else "right", no_wrap=col == "entry")
         for a in report.artifacts:
             ref = "" if a.reference_vs is None else f"{a.reference} vs {a.reference_vs} {a.reference_max_abs:.2g}"
-            table.add_row(a.entry, str(a.bucket), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.tolerance:g}", ref, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
+            table.add_row(a.entry, str(a.bucket), "" if a.context is None else str(a.context), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.tolerance:g}", ref, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
         console.print(table)
         for a in report.artifacts:
             for problem in a.problems:
-                console.print(f"[red]{a.entry} bucket {a.bucket}:[/] {problem}", highlight=False)
+                console.print(f"[red]{artifact_label(a.entry, a.bucket, a.context)}:[/] {problem}", highlight=False)
         lint = _print_lint(report.backend, [f for a in report.artifacts for f in a.lint], "--json")
         failed = sum(not a.passed for a in report.artifacts)
         console.print(f"{len(report.artifacts) - failed} of {len(report.artifacts)} artifacts match eager" + (f"; {len(lint)} lint findings" if lint else ""))
@@ -536,6 +542,7 @@ def bisect(
     path: Path = typer.Argument(..., help="Bundle folder (xla or neuron) whose artifact fails to compile."),
     entry: str = typer.Option(..., "--entry", help="Entry id, as aotc inspect lists it (e.g. LlamaDecoderLayer.decode)."),
     bucket: int = typer.Option(..., "--bucket", help="The artifact's bucket."),
+    context: Optional[int] = CONTEXT,
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder to trace again (default: the one the bundle was built from)."),
     compiler: Optional[str] = typer.Option(None, "--compiler", help="CMD run in place of neuronx-cc, with the same argv (compile hlo.pb ... --output model.neff): any HLO checker that fails with a non-zero exit works, an NCC_ code in its output naming the failure."),
     work: Optional[Path] = typer.Option(None, "--work", help="Folder for the attempts (default: a new temporary folder); kept for inspection."),
@@ -547,18 +554,19 @@ def bisect(
     (about 2 log2(nodes) compiler runs), and the result names each node's source line,
     with the minimal HLO and a command that reproduces it."""
     from .bisect import bisect as run_bisect
+    from .format import artifact_label
     from .plugins import load_plugins
 
     try:
         load_plugins(plugin)
         with err_console.status("bisecting") as status:
-            result = run_bisect(path, entry, bucket, model_dir=model, compiler=compiler, work=work, progress=lambda line: status.update(line))
+            result = run_bisect(path, entry, bucket, context, model_dir=model, compiler=compiler, work=work, progress=lambda line: status.update(line))
     except AotcError as e:
         _fail(e)
     if as_json:
         print(json.dumps(dataclasses.asdict(result)))
         return
-    console.print(f"{result.entry} bucket {result.bucket} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):", highlight=False)
+    console.print(f"{artifact_label(result.entry, result.bucket, result.context)} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):", highlight=False)
     for node, source in zip(result.nodes, result.sources):
         console.print(f"  {node}    {source}", highlight=False)
     console.print(f"minimal HLO: {result.hlo}\nlog: {result.log}\nreproduce: {result.command}\nwork folder: {result.work}", highlight=False)
@@ -567,16 +575,20 @@ def bisect(
 @app.command()
 def inspect(
     bundle: Path = typer.Argument(..., help="Bundle folder."),
+    entry: Optional[str] = typer.Option(None, "--entry", help="Show this entry's artifacts only."),
+    bucket: Optional[int] = typer.Option(None, "--bucket", help="With --entry: the artifact of this bucket only."),
+    context: Optional[int] = CONTEXT,
     as_json: bool = typer.Option(False, "--json", help="Print manifest.json."),
     plugin: list[str] = PLUGIN,
 ):
-    """Show a bundle's manifest."""
+    """Show a bundle's manifest (or, with --entry, --bucket and --context, one entry's artifacts)."""
     from .format import as_dict, read_manifest
     from .plugins import load_plugins
 
     try:
         load_plugins(plugin)  # a bundle of a plugin's backend is read with that backend's record
         m = read_manifest(bundle)
+        shown = m.select(entry, bucket, context)
     except AotcError as e:
         _fail(e)
     if as_json:
@@ -591,13 +603,13 @@ def inspect(
         f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  digest {m.digest()}"
     )
     table = Table()
-    for col in ("entry", "modules", "bucket", "form", "inputs w/c/a", "outputs", "compile s", "cache key"):
+    for col in ("entry", "modules", "bucket", "context", "form", "inputs w/c/a", "outputs", "compile s", "cache key"):
         table.add_column(col, no_wrap=col == "entry")
-    for e, art in m.artifacts():
+    for e, art in shown:
         kinds = [i.kind for i in art.inputs]
         inputs = f"{len(e.weights)}/{kinds.count('cache')}/{kinds.count('activation')}"
         outs = " ".join("x".join(map(str, o.shape)) for o in art.outputs)
-        table.add_row(e.id, str(len(e.instances)), str(art.bucket), art.form, inputs, outs, f"{art.compile_s:.2f}", art.cache_key[:8])
+        table.add_row(e.id, str(len(e.instances)), str(art.bucket), "" if art.context is None else str(art.context), art.form, inputs, outs, f"{art.compile_s:.2f}", art.cache_key[:8])
     console.print(table)
 
 

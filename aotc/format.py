@@ -1,7 +1,8 @@
 """The bundle format: typed records, one writer, one reader.
 
     BUNDLE/manifest.json                 a Manifest, `format_version` first
-    BUNDLE/entries/<entry id>/b<bucket>/ one folder per artifact: the files that
+    BUNDLE/entries/<entry id>/b<bucket>[-c<context>]/
+                                         one folder per artifact: the files that
                                          its ArtifactRecord lists, with their sha256
 
 Every other module reads the typed objects below; none indexes a manifest by
@@ -19,10 +20,10 @@ Records are designed for what comes next:
   * a bucket is `dims`, a record of named static dimensions ({"batch": 4},
     {"chunk": 128}, {"batch": 4, "context": 1024}); `bucket` is the value of
     the dimension that the runtime pads, the entry's `bucket_kind`; `context`
-    is the cache positions a decode graph reads (a context bucket): an entry
-    built per context bucket is one entry per bucket, `<id>.c<context>`, and
-    names its positions argument (`context_arg`), from which the runtime
-    picks the bucket;
+    is the cache positions a decode graph reads (a context bucket). An entry
+    built per context bucket is one entry whose artifacts are keyed by both
+    dims (entry ids never say the context), and names its positions argument
+    (`context_arg`), from which the runtime picks the context bucket;
   * `form` says which graph an artifact holds: "static" (every shape fixed)
     or "unbacked" (data-dependent sizes kept, where a backend runs them);
   * a weight input may be derived from checkpoint tensors by a named
@@ -55,7 +56,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -70,9 +71,14 @@ Form = Literal["static", "unbacked"]
 Served = Literal["compiled", "cache", "remote", "uncached"]
 
 
-def artifact_dir(entry_id: str, bucket: int) -> str:
-    """Folder of one (entry, bucket) artifact, relative to the bundle root."""
-    return f"{ENTRIES_DIR}/{entry_id}/b{bucket}"
+def artifact_dir(entry_id: str, bucket: int, context: int | None = None) -> str:
+    """Folder of one (entry, bucket, context bucket) artifact, relative to the bundle root."""
+    return f"{ENTRIES_DIR}/{entry_id}/b{bucket}" + (f"-c{context}" if context is not None else "")
+
+
+def artifact_label(entry_id: str, bucket: int, context: int | None = None) -> str:
+    """How messages name one artifact: `LlamaDecoderLayer.decode bucket 4 context 256`."""
+    return f"{entry_id} bucket {bucket}" + (f" context {context}" if context is not None else "")
 
 
 # -- records ----------------------------------------------------------------------
@@ -112,6 +118,11 @@ class WeightSpec:
     transform: TransformName | None
     sources: list[str]
     stored: StoredSpec | None  # a part of a low-precision weight; None for any other
+
+    @property
+    def key(self) -> str:
+        """Unique among an entry's weights: a stored weight's two parts share its path."""
+        return self.path if self.stored is None else f"{self.path}:{self.stored.part}"
 
 
 @dataclass
@@ -169,12 +180,17 @@ class CompiledRecord:
 
 @dataclass(kw_only=True)
 class ArtifactRecord(CompiledRecord):
-    """One (entry, bucket) artifact of a bundle."""
+    """One artifact of a bundle: an entry at one bucket (and context bucket)."""
 
     bucket: int  # rows: the value of the entry's bucket dimension
     dims: dict[str, int]  # the bucket's named static dimensions
     dir: str  # relative to the bundle folder
     served: Served
+
+    @property
+    def context(self) -> int | None:
+        """The cache positions the graph reads (its context bucket); None: not a decode per context."""
+        return self.dims.get("context")
 
     @property
     def pending(self) -> str | None:
@@ -189,7 +205,8 @@ class EntryRecord:
     bucket_kind: BucketKind
     split: bool  # rows beyond the largest bucket run as consecutive calls
     # The positions argument of an entry built per context bucket (its artifacts'
-    # dims["context"]); None: the graphs read all of max_seq.
+    # dims["context"], one artifact per bucket and context bucket); None: the graphs
+    # read all of max_seq.
     context_arg: str | None
     variant: dict[str, Any]  # the attributes that set this variant apart
     instances: list[str]  # module paths that run this entry
@@ -274,6 +291,41 @@ class Manifest:
 
     def pending(self) -> list[tuple[EntryRecord, ArtifactRecord]]:
         return [(e, a) for e, a in self.artifacts() if a.pending]
+
+    def entry(self, entry_id: str) -> EntryRecord:
+        """The entry `entry_id`; an error (for --entry) names the bundle's entries."""
+        entry = next((e for e in self.entries if e.id == entry_id), None)
+        if entry is None:
+            raise BundleError(f"--entry {entry_id}: the bundle has no such entry; it has {', '.join(e.id for e in self.entries)}")
+        return entry
+
+    def select(self, entry_id: str | None, bucket: int | None, context: int | None) -> list[tuple[EntryRecord, ArtifactRecord]]:
+        """What --entry, --bucket and --context choose: every artifact (none given), an
+        entry's (--entry), or one (--entry --bucket [--context])."""
+        if entry_id is None:
+            if bucket is not None or context is not None:
+                raise BundleError(f"--{'bucket' if bucket is not None else 'context'} chooses among one entry's artifacts; pass --entry too")
+            return list(self.artifacts())
+        if bucket is None:
+            if context is not None:
+                raise BundleError("--context chooses among the artifacts of one bucket; pass --bucket too")
+            entry = self.entry(entry_id)
+            return [(entry, a) for a in entry.artifacts]
+        return [self.find(entry_id, bucket, context)]
+
+    def find(self, entry_id: str, bucket: int, context: int | None = None) -> tuple[EntryRecord, ArtifactRecord]:
+        """The artifact of `entry_id` at `bucket` and context bucket `context` (None: the
+        entry's smallest); an error (for --entry, --bucket, --context) names what the bundle has."""
+        entry = self.entry(entry_id)
+        contexts = sorted({a.context for a in entry.artifacts if a.context is not None})
+        if context is not None and context not in contexts:
+            has = f"context buckets {', '.join(map(str, contexts))}" if contexts else "no context buckets"
+            raise BundleError(f"--context {context}: {entry_id} has {has}")
+        context = context if context is not None else (contexts[0] if contexts else None)
+        art = next((a for a in entry.artifacts if a.bucket == bucket and a.context == context), None)
+        if art is None:
+            raise BundleError(f"--bucket {bucket}: {entry_id} has buckets {', '.join(str(b) for b in sorted({a.bucket for a in entry.artifacts}))}")
+        return entry, art
 
     def digest(self) -> str:
         """The bundle's identity, to pin it: the sha256 of the manifest's canonical JSON,
@@ -436,26 +488,30 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
                     f"{source}: entries[{i}].weights[{j}]: transform {w.transform!r} with {len(w.sources)} sources; "
                     "a derived weight has a transform and sources, a plain one neither. Rebuild the bundle"
                 )
-        kinds = manifest.shapes.buckets(entry.bucket_kind)
-        if sorted(a.bucket for a in entry.artifacts) != sorted(kinds):
-            raise error(
-                f"{source}: entries[{i}].artifacts: buckets {sorted(a.bucket for a in entry.artifacts)}, but "
-                f"shapes.{entry.bucket_kind} is {kinds}: every bucket needs one artifact. Rebuild the bundle"
-            )
         for j, art in enumerate(entry.artifacts):
             where = f"{source}: entries[{i}].artifacts[{j}]"
             art.extra = convert(art.extra, kind.extra_type, f"{where}.extra", error)
             for name in kind.required_files(art.extra):
                 if name not in art.files:
                     raise error(f"{where}.files: {name!r} is missing; every {manifest.backend.name} artifact has it. Rebuild the bundle")
-            if art.dims.get(entry.bucket_kind) != art.bucket:
-                raise error(f"{where}.dims: expected {{{entry.bucket_kind!r}: {art.bucket}}}, got {art.dims}; rebuild the bundle")
-            context = art.dims.get("context")
-            if (context is None) != (entry.context_arg is None) or context not in (None, *manifest.shapes.context) or context != entry.artifacts[0].dims.get("context"):
+            names = {entry.bucket_kind} | ({"context"} if entry.context_arg is not None else set())
+            if set(art.dims) != names or art.dims[entry.bucket_kind] != art.bucket:
+                expected = {entry.bucket_kind: art.bucket} | ({"context": "C"} if entry.context_arg is not None else {})
                 raise error(
-                    f"{where}.dims: context {context!r}, but entries[{i}].context_arg is {entry.context_arg!r} and shapes.context "
-                    f"is {manifest.shapes.context}: an entry's artifacts share one of those context buckets, or none. Rebuild the bundle"
+                    f"{where}.dims: expected {expected} (entries[{i}].context_arg is {entry.context_arg!r}), got {art.dims}; rebuild the bundle"
                 )
+        kinds = manifest.shapes.buckets(entry.bucket_kind)
+        contexts = manifest.shapes.context if entry.context_arg is not None else [None]
+        want = sorted((b, c or 0) for b in kinds for c in contexts)
+        have = sorted((a.bucket, a.context or 0) for a in entry.artifacts)
+        if have != want:
+            what = "(bucket, context) pairs" if entry.context_arg is not None else "buckets"
+            show = lambda pairs: [p if entry.context_arg is not None else p[0] for p in pairs]  # noqa: E731
+            raise error(
+                f"{source}: entries[{i}].artifacts: {what} {show(have)}, but shapes.{entry.bucket_kind} is {kinds}"
+                + (f" and shapes.context is {manifest.shapes.context}" if entry.context_arg is not None else "")
+                + f": every bucket needs one artifact{' at each context bucket' if entry.context_arg is not None else ''}. Rebuild the bundle"
+            )
     return manifest
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .errors import TraceError
-from .format import StoredFormat, StoredPart, TransformName
+from .format import Fp8Reading, StoredFormat, StoredSpec, TransformName, WeightSpec
 from .quant import dequantize
 
 
@@ -57,26 +57,6 @@ TRANSFORMS: dict[str, Transform] = {"stack": Transform(torch.stack, torch.unbind
 class Derived:
     transform: TransformName
     sources: tuple[str, ...]  # tensor paths inside the declaring module, in order
-
-
-@dataclass(frozen=True)
-class GraphWeight:
-    """One weight input of an entry's graph: a parameter or buffer, or a derived tensor."""
-
-    name: str  # path inside the entry instance
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stride: tuple[int, ...]
-    transform: str | None = None
-    sources: tuple[str, ...] = ()  # paths inside the entry instance
-    stored: StoredFormat | None = None  # a low-precision weight: one of its two parts
-    part: StoredPart | None = None
-    logical_dtype: torch.dtype | None = None  # a stored weight's: what it dequantizes to
-
-    @property
-    def key(self) -> str:
-        """Unique among an entry's weights: a stored weight's parts share its name."""
-        return self.name if self.part is None else f"{self.name}:{self.part}"
 
 
 @dataclass(frozen=True)
@@ -125,9 +105,16 @@ def weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
 
 
-def graph_weights(module: nn.Module) -> list[GraphWeight]:
-    """The weight inputs of an entry's graph, in order: the parameters and buffers that no
-    derived weight consumes, then the derived weights."""
+def graph_weights(module: nn.Module, fp8_reading: Fp8Reading = "e4m3fn") -> list[WeightSpec]:
+    """The weight inputs of an entry's graph, in order, as the manifest records them: the
+    parameters and buffers that no derived weight consumes, then the derived weights.
+    `fp8_reading`: how the target reads fp8 bytes (Backend.fp8_reading)."""
+
+    def spec(path: str, t: torch.Tensor, transform=None, sources=(), fmt=None, part=None, logical=None) -> WeightSpec:
+        reading = fp8_reading if fmt == "fp8" else "e4m3fn"
+        stored_spec = StoredSpec(fmt, part, dtype_name(logical), reading) if fmt else None
+        return WeightSpec(path, list(t.shape), dtype_name(t.dtype), list(t.stride()), transform, list(sources), stored_spec)
+
     tensors = weights_of(module)
     stored = stored_of(module)
     derived = []
@@ -149,34 +136,37 @@ def graph_weights(module: nn.Module) -> list[GraphWeight]:
             fmt = formats.pop()
             if fmt is None:
                 meta = derive_meta(d.transform, [tensors[s] for s in sources], where)
-                derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources))
+                derived.append(spec(prefix + name, meta, d.transform, sources))
                 continue
             for part in ("values", "scale"):
                 meta = derive_meta(d.transform, [stored[s].part(part) for s in sources], where)
-                derived.append(GraphWeight(prefix + name, tuple(meta.shape), meta.dtype, tuple(meta.stride()), d.transform, sources, fmt, part, tensors[sources[0]].dtype))
+                derived.append(spec(prefix + name, meta, d.transform, sources, fmt, part, tensors[sources[0]].dtype))
     plain = []
     for n, t in tensors.items():
         if n in consumed:
             continue
         if n not in stored:
-            plain.append(GraphWeight(n, tuple(t.shape), t.dtype, tuple(t.stride())))
+            plain.append(spec(n, t))
             continue
         for part in ("values", "scale"):
-            p = stored[n].part(part)
-            plain.append(GraphWeight(n, tuple(p.shape), p.dtype, tuple(p.stride()), stored=stored[n].format, part=part, logical_dtype=t.dtype))
+            plain.append(spec(n, stored[n].part(part), fmt=stored[n].format, part=part, logical=t.dtype))
     return plain + derived
 
 
-def dequantized(weights: list[GraphWeight], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """By weight name, the tensor the module's code reads: a stored weight dequantized
+def dequantized(weights: list[WeightSpec], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """By weight path, the tensor the module's code reads: a stored weight dequantized
     from its two parts (in a graph: next to its use), any other as it is."""
     out = {}
     for w in weights:
-        if w.part is None:
-            out[w.name] = values[w.key]
-        elif w.part == "values":
-            out[w.name] = dequantize(w.stored, values[w.key], values[f"{w.name}:scale"], w.logical_dtype)
+        if w.stored is None:
+            out[w.path] = values[w.key]
+        elif w.stored.part == "values":
+            out[w.path] = dequantize(w.stored.format, values[w.key], values[f"{w.path}:scale"], getattr(torch, w.stored.dtype))
     return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def derive_meta(transform: str, sources: list[torch.Tensor], where: str) -> torch.Tensor:
@@ -208,7 +198,7 @@ def derived(module: nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 @contextlib.contextmanager
-def providing(module: nn.Module, weights: list[GraphWeight], values: dict[str, torch.Tensor]):
+def providing(module: nn.Module, weights: list[WeightSpec], values: dict[str, torch.Tensor]):
     """Make `derived()` answer with `values` (by weight name, as `dequantized` gives them)
     inside `module`, and yield the sources' views, to be swapped in for the sources."""
     active: dict[int, dict[str, torch.Tensor]] = {}
@@ -216,9 +206,9 @@ def providing(module: nn.Module, weights: list[GraphWeight], values: dict[str, t
     for path, sub in module.named_modules():
         prefix = f"{path}." if path else ""
         for name in _declared(sub):
-            w = next(w for w in weights if w.name == prefix + name and w.part != "scale")
-            active.setdefault(id(sub), {})[name] = values[w.name]
-            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.name])))
+            w = next(w for w in weights if w.path == prefix + name and (w.stored is None or w.stored.part != "scale"))
+            active.setdefault(id(sub), {})[name] = values[w.path]
+            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.path])))
     before = dict(_ACTIVE)
     _ACTIVE.update(active)
     try:

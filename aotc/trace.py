@@ -24,10 +24,10 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
-from .format import RegionSpec, TensorSpec
-from .layout import GraphWeight, dequantized, graph_weights, providing, stored_of, weights_of
+from .format import PassRecord, RegionSpec, TensorSpec, WeightSpec
+from .layout import dequantized, dtype_name, graph_weights, providing, stored_of, weights_of
 from .models.base import fake_tensor_mode
-from .passes import PassReport, needs_static, pipeline_for, run_pipeline
+from .passes import needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
 from .passes.strip_data_dependent import unbacked_in
 
@@ -79,16 +79,12 @@ class TracedGraph:
     program: torch.export.ExportedProgram
     inputs: list[TensorSpec]  # every graph input: weights (kind "weight"), then the method's arguments
     outputs: list[TensorSpec]
-    passes: list[PassReport] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
     export_s: float = 0.0
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         return self.program.graph_module
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # -- finding entries and variants ----------------------------------------------
@@ -128,7 +124,7 @@ def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
 
 
 def _weight_signature(module: nn.Module) -> tuple:
-    return tuple((w.key, w.shape, str(w.dtype), w.transform) for w in graph_weights(module))
+    return tuple((w.key, tuple(w.shape), w.dtype, w.transform) for w in graph_weights(module))
 
 
 @contextlib.contextmanager
@@ -198,7 +194,7 @@ def _fake_mode_of(module: nn.Module) -> tuple[FakeTensorMode, bool]:
     return fake_tensor_mode(), False
 
 
-def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tuple[list[GraphWeight], dict[str, torch.Tensor]]:
+def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tuple[list[WeightSpec], dict[str, torch.Tensor]]:
     """The graph's weight inputs and a fake tensor for each."""
     weights = graph_weights(module)
     tensors = weights_of(module)
@@ -207,21 +203,21 @@ def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tup
     values = {}
     for w in weights:
         if w.transform is None:
-            t = tensors[w.name] if w.part is None else stored[w.name].part(w.part)
+            t = tensors[w.path] if w.stored is None else stored[w.path].part(w.stored.part)
             values[w.key] = t if already else mode.from_tensor(t)
         else:
             with mode:
-                values[w.key] = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
+                values[w.key] = torch.empty_strided(w.shape, w.stride, dtype=getattr(torch, w.dtype), device=device)
     return weights, values
 
 
-def _call(module: nn.Module, method: str, weights: list[GraphWeight], values: dict[str, torch.Tensor], args):
-    """Run the method with its weights swapped for `values` (by GraphWeight.key). Sources
+def _call(module: nn.Module, method: str, weights: list[WeightSpec], values: dict[str, torch.Tensor], args):
+    """Run the method with its weights swapped for `values` (by WeightSpec.key). Sources
     of derived weights read as views of the derived input, so the graph has that one
     input for them; stored weights are dequantized from their parts in the graph."""
     tensors = dequantized(weights, values)
     with providing(module, weights, tensors) as views:
-        swapped = {f"inner.{w.name}": tensors[w.name] for w in weights if w.transform is None}
+        swapped = {f"inner.{w.path}": tensors[w.path] for w in weights if w.transform is None}
         swapped |= {f"inner.{k}": v for k, v in views.items()}
         return torch.func.functional_call(_Method(module, method), swapped, args, tie_weights=False, strict=True)
 
@@ -425,7 +421,7 @@ def _whole_caches(args: tuple, spec: EntrySpec, what: str) -> tuple[tuple, dict[
     return tuple(args), narrow
 
 
-def _flat_wrapper(module: nn.Module, method: str, weights: list[GraphWeight], narrow: dict[int, list[tuple[int, int]]]) -> nn.Module:
+def _flat_wrapper(module: nn.Module, method: str, weights: list[WeightSpec], narrow: dict[int, list[tuple[int, int]]]) -> nn.Module:
     n = len(weights)
 
     class Flat(nn.Module):

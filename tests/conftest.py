@@ -112,12 +112,17 @@ def rehash(bundle) -> None:
     (bundle / "manifest.json").write_text(json.dumps(manifest))
 
 
-def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode"):
-    """A copy of a bundle whose `entry` artifacts for buckets 1 and `other` trade places, hashes fixed."""
+def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode", context=None):
+    """A copy of a bundle whose `entry` artifacts for buckets 1 and `other` (at context
+    bucket `context`; None: the entry's only one, or none) trade places, hashes fixed."""
     import shutil
 
+    from aotc.format import artifact_dir, read_manifest
+
     shutil.copytree(src, dst)
-    a, b = dst / f"entries/{entry}/b1", dst / f"entries/{entry}/b{other}"
+    found = read_manifest(dst).entry(entry).artifacts
+    context = context if context is not None else found[0].context
+    a, b = dst / artifact_dir(entry, 1, context), dst / artifact_dir(entry, other, context)
     a.rename(dst / "swap")
     b.rename(a)
     (dst / "swap").rename(b)

@@ -18,6 +18,7 @@ import aotc
 from aotc.backends import Backend, CompileResult, Program, Specs, backend_names, register_backend
 from aotc.backends.base import HOST, Step, Weights
 from aotc.backends.export_archive import check_archive
+from aotc.backends.export import save_program
 from aotc.cli import app
 
 from .conftest import assert_check_report
@@ -88,11 +89,7 @@ class InterpreterBackend(Backend):
         return f"torch-{torch.__version__}-fx-interpreter-1"
 
     def compile(self, program, specs: Specs, out_dir: Path) -> CompileResult:
-        example, program.example_inputs = program.example_inputs, None
-        try:
-            torch.export.save(program, str(out_dir / PROGRAM))
-        finally:
-            program.example_inputs = example
+        save_program(program, str(out_dir / PROGRAM))
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record) -> Program:

@@ -26,13 +26,14 @@ pytestmark = lowers
 
 @pytest.fixture(scope="module")
 def neuron_bundle(tiny_dir, tmp_path_factory):
-    """A neuron cross-build of the tiny model (no compiler on PATH: artifacts pending)."""
+    """A neuron cross-build of the tiny model (no compiler on PATH: artifacts pending),
+    decode at context buckets 32 and 64."""
     saved = os.environ["PATH"]
     os.environ["PATH"] = os.pathsep.join(p for p in saved.split(os.pathsep) if not (Path(p) / "neuronx-cc").exists())
     neuron.compiler_version.cache_clear()
     try:
         out = tmp_path_factory.mktemp("bisect") / "bundle"
-        return build(BuildOptions(tiny_dir, out=out, backend="neuron", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, use_cache=False)).out
+        return build(BuildOptions(tiny_dir, out=out, backend="neuron", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), use_cache=False)).out
     finally:
         os.environ["PATH"] = saved
         neuron.compiler_version.cache_clear()
@@ -98,3 +99,16 @@ def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle):
         bisect(neuron_bundle, "LMHead.forward", 7)
     with pytest.raises(AotcError, match="is a export bundle; aotc bisect shrinks failures of compilers that take HLO"):
         bisect(tiny_bundle.out, "LMHead.forward", 1)
+
+
+
+
+def test_bisect_takes_the_entry_id_and_a_context_bucket(neuron_bundle, failing_on, tmp_path):
+    """The entry id has no context in it: --context picks the artifact (default: the
+    smallest), and one the entry lacks is refused naming those it has."""
+    failing_on("rsqrt")
+    assert bisect(neuron_bundle, "LlamaDecoderLayer.decode", 1, work=tmp_path / "w32").context == 32
+    result = bisect(neuron_bundle, "LlamaDecoderLayer.decode", 1, 64, work=tmp_path / "w64")
+    assert (result.context, result.code) == (64, "NCC_IINL902")
+    r = CliRunner().invoke(app, ["bisect", str(neuron_bundle), "--entry", "LlamaDecoderLayer.decode", "--bucket", "1", "--context", "48"])
+    assert r.exit_code == 2 and "--context 48: LlamaDecoderLayer.decode has context buckets 32, 64" in " ".join(r.output.split())

@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def keys(model, **changes):
-    return {(e, b): k for e, b, k in build_keys(BuildOptions(model, **{**OPTIONS, **changes}))}
+    """By (entry, bucket): max_seq 64 is the one context bucket of every decode artifact."""
+    found = build_keys(BuildOptions(model, **{**OPTIONS, **changes}))
+    assert {c for _, _, c, _ in found} <= {None, 64}
+    return {(e, b): k for e, b, _, k in found}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     cache = tmp_path / "cache"
     options = dict(batch_buckets=(1, 2, 4, 8), chunk_buckets=(16, 32), max_seq=64, backend="export")
     args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
-    held = [LocalCache(cache).lock(key) for key in sorted({k for _, _, k in build_keys(BuildOptions(tiny_dir, **options))})]
+    held = [LocalCache(cache).lock(key) for key in sorted({k for *_, k in build_keys(BuildOptions(tiny_dir, **options))})]
     assert len(held) == 10  # 4 decode + 2 prefill + 4 head
     for lock in held:
         lock.acquire()

@@ -39,7 +39,7 @@ def test_build_reports_graphs_and_table(built):
     assert (bundle / "manifest.json").is_file()
     files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.pt2"))
     assert files == sorted(
-        [f"entries/LlamaDecoderLayer.decode/b{b}/program.pt2" for b in (1, 2, 4)]
+        [f"entries/LlamaDecoderLayer.decode/b{b}-c192/program.pt2" for b in (1, 2, 4)]  # context bucket: max_seq
         + [f"entries/LlamaDecoderLayer.prefill/b{b}/program.pt2" for b in (16, 32)]
         + [f"entries/LMHead.forward/b{b}/program.pt2" for b in (1, 2, 4)]
     )

@@ -39,7 +39,7 @@ def inductor_bundles(tiny_dir, tmp_path_factory):
 
 
 def files(result):
-    return {(e.id, a.bucket): a.files for e, a in result.manifest.artifacts()}
+    return {(e.id, a.bucket, a.context): a.files for e, a in result.manifest.artifacts()}
 
 
 PORTABLE = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
@@ -105,13 +105,13 @@ def test_parallel_build_is_identical_to_serial(inductor_bundles, tiny_dir, tmp_p
 def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
     """The inductor-cpu pipeline ran rewrite_skinny_linears and rewrite_skinny_matmuls: decode's
     matmuls of 1 to 8 rows (attention: 2 query heads per KV head), not prefill's 16."""
-    changes = {(e.id, a.bucket): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
+    changes = {(e.id, a.bucket, a.context): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
     for context in (32, 96):
         for bucket in (1, 8):
-            assert changes[(f"LlamaDecoderLayer.decode.c{context}", bucket)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
-            assert changes[(f"LlamaDecoderLayer.decode.c{context}", bucket)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
-    assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_linears"] == 0
-    assert changes[("LlamaDecoderLayer.prefill", 16)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
+            assert changes[("LlamaDecoderLayer.decode", bucket, context)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
+            assert changes[("LlamaDecoderLayer.decode", bucket, context)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
+    assert changes[("LlamaDecoderLayer.prefill", 16, None)]["rewrite_skinny_linears"] == 0
+    assert changes[("LlamaDecoderLayer.prefill", 16, None)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
 
 
 def test_packages_hold_no_weights(inductor_bundles):
@@ -148,12 +148,12 @@ def test_decode_crosses_a_context_bucket_token_exact(inductor_bundles, tiny_dir)
     bundle = Bundle.load(inductor_bundles[0].out)
     manifest = bundle.manifest
     assert manifest.shapes.context == [32, 96]
-    decode = {e.id: e for e in manifest.entries if e.method == "decode"}
-    assert sorted(decode) == ["LlamaDecoderLayer.decode.c32", "LlamaDecoderLayer.decode.c96"]
-    for context, entry in [(32, decode["LlamaDecoderLayer.decode.c32"]), (96, decode["LlamaDecoderLayer.decode.c96"])]:
-        assert entry.context_arg == "positions" and {a.dims["context"] for a in entry.artifacts} == {context}
-        caches = [i for i in entry.artifacts[0].inputs if i.kind == "cache"]
-        assert [c.shape for c in caches] == [[9, 2, context, 64]] * 2 and [c.stride for c in caches] == [[12288, 6144, 64, 1]] * 2
+    (entry,) = [e for e in manifest.entries if e.method == "decode"]  # one entry, its artifacts per context bucket
+    assert entry.id == "LlamaDecoderLayer.decode" and entry.context_arg == "positions"
+    assert sorted((a.context, a.bucket) for a in entry.artifacts) == [(32, 1), (32, 8), (96, 1), (96, 8)]
+    for art in entry.artifacts:
+        caches = [i for i in art.inputs if i.kind == "cache"]
+        assert [c.shape for c in caches] == [[9, 2, art.context, 64]] * 2 and [c.stride for c in caches] == [[12288, 6144, 64, 1]] * 2
     prompt = torch.randint(3, 512, (27,), generator=torch.Generator().manual_seed(5)).tolist()
     kw = dict(max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
     bundle.bind(loaded.model)
@@ -262,8 +262,8 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
 def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_path):
     """A package records the inputs it was compiled for: two packages swapped (their
     sha256 fixed in the manifest) are refused before anything runs."""
-    bundle = swapped_copy(inductor_bundles[0].out, tmp_path / "swapped", other=8, entry="LlamaDecoderLayer.decode.c32")
-    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode.c32 bucket 1 as the manifest says \(input \d+ is \(\[8,"):
+    bundle = swapped_copy(inductor_bundles[0].out, tmp_path / "swapped", other=8, context=32)
+    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 context 32 as the manifest says \(input \d+ is \(\[8,"):
         Bundle.load(bundle)
 
 

@@ -40,10 +40,10 @@ def test_the_format_names_exactly_the_transforms_there_are():
 
 def test_a_derived_weight_replaces_its_sources_among_the_graph_inputs():
     weights = graph_weights(Outer())
-    assert [w.name for w in weights] == ["mlp.norm", "table", "mlp.stacked"]
+    assert [w.path for w in weights] == ["mlp.norm", "table", "mlp.stacked"]
     stacked = weights[-1]
-    assert (stacked.shape, stacked.stride, stacked.transform) == ((3, 6, 4), (24, 4, 1), "stack")
-    assert stacked.sources == ("mlp.up.0.weight", "mlp.up.1.weight", "mlp.up.2.weight")
+    assert (stacked.shape, stacked.stride, stacked.transform) == ([3, 6, 4], [24, 4, 1], "stack")
+    assert stacked.sources == ["mlp.up.0.weight", "mlp.up.1.weight", "mlp.up.2.weight"]
 
 
 def test_while_provided_the_module_sees_the_graph_input_and_its_sources_are_views_of_it():

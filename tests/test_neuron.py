@@ -7,6 +7,7 @@ Neuron SDK is installed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -203,11 +204,25 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
 @lowers
 def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_path, no_compiler):
     """--kv-cache-dtype fp8 for trn2: the decoder layers' graphs take fp8 cache regions and
-    their compiler commands get the fp8 flag; caches quantize to trn2's 224."""
+    their compiler commands get the fp8 flag; caches quantize to trn2's 224. Traced again
+    from the options the manifest records (aotc bisect), each decode artifact of its two
+    context buckets has that artifact's own cache key; a manifest that says other options
+    (full-precision caches) re-traces another graph, which is refused."""
+    from aotc.build.key import retrace
     from aotc.models.base import load_model
 
-    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", **OPTIONS))
-    assert result.manifest.model.kv_cache.fp8_max == 224.0
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", context_buckets=(32,), **OPTIONS))
+    manifest = result.manifest
+    assert manifest.model.kv_cache.fp8_max == 224.0
+    backend = neuron.NeuronBackend(**manifest.backend.flags)
+    entry = manifest.entry("LlamaDecoderLayer.decode")
+    assert sorted({a.context for a in entry.artifacts}) == [32, 64]
+    for art in entry.artifacts:
+        assert retrace(manifest, entry, art, tiny_dir, backend).key == art.cache_key
+    other = copy.deepcopy(manifest)
+    other.model.kv_cache.dtype = "auto"
+    with pytest.raises(AotcError, match=r"LlamaDecoderLayer.decode bucket 1 context 32 traced from .* has cache key \w+, but the bundle's artifact has"):
+        retrace(other, entry, entry.artifacts[0], tiny_dir, backend)
     for e, a in result.manifest.artifacts():
         command = (result.out / a.dir / "command.txt").read_text()
         fp8_caches = any(i.dtype == "float8_e4m3fn" and i.kind == "cache" for i in a.inputs)

@@ -45,9 +45,9 @@ def test_build_prints_its_table_and_the_fallback_message(tiny_dir, tmp_path, mon
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "using the export backend: inductor is unavailable: AOTInductor compiles C++ and no g++ or c++ is on PATH" in said
-    for column in ("entry", "bucket", "from", "seconds", "size"):
+    for column in ("entry", "bucket", "context", "from", "seconds", "size"):
         assert column in said
-    assert "LlamaDecoderLayer.decode │ 1 │ uncached" in said and "traced 3 graphs for 3 entries serving" in said
+    assert "LlamaDecoderLayer.decode │ 1 │ 64 │ uncached" in said and "traced 3 graphs for 3 entries serving" in said
 
 
 def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
@@ -69,17 +69,17 @@ def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
 
 def test_cpu_target_is_in_the_cache_key(tiny_dir, monkeypatch):
     options = dict(OPTIONS, backend="inductor")
-    here = {(e, b): k for e, b, k in build_keys(BuildOptions(tiny_dir, **options))}
+    here = {(e, b, c): k for e, b, c, k in build_keys(BuildOptions(tiny_dir, **options))}
     monkeypatch.setattr("aotc.backends.inductor.cpu_target", lambda config: "x86_64-haswell-isa.0-AVX2")
-    other = {(e, b): k for e, b, k in build_keys(BuildOptions(tiny_dir, **options))}
+    other = {(e, b, c): k for e, b, c, k in build_keys(BuildOptions(tiny_dir, **options))}
     assert set(here.values()).isdisjoint(other.values())
 
 
 def test_manifest_records_compile_time_and_the_cache_key(tiny_dir, tmp_path):
     result = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=tmp_path / "c", **OPTIONS))
-    keys = {(e, b): k for e, b, k in build_keys(BuildOptions(tiny_dir, **OPTIONS))}
+    keys = {(e, b, c): k for e, b, c, k in build_keys(BuildOptions(tiny_dir, **OPTIONS))}
     for e, a in result.manifest.artifacts():
-        assert a.cache_key == keys[e.id, a.bucket] and a.compile_s > 0 and a.export_s > 0
+        assert a.cache_key == keys[e.id, a.bucket, a.context] and a.compile_s > 0 and a.export_s > 0
 
 
 def test_recipe_is_invalidated_when_a_source_changes(tiny_dir, tmp_path, monkeypatch):

@@ -207,7 +207,7 @@ def test_export_program_that_calls_python_or_unpickles_is_refused_and_never_runs
 
 def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
     bundle = swapped_copy(tiny_bundle.out, tmp_path / "swapped")
-    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 as the manifest says \(input \d+ is \(\[2,"):
+    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 context \d+ as the manifest says \(input \d+ is \(\[2,"):
         Bundle.load(bundle)
 
 

@@ -56,12 +56,12 @@ def test_xla_bundle_runs_hlo_pb_as_it_is(xla_bundles):
 def test_a_replaced_hlo_pb_fails_naming_the_artifact(xla_bundles, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(xla_bundles[0], bundle)
-    target = "entries/LlamaDecoderLayer.decode/b3/hlo.pb"
+    target = "entries/LlamaDecoderLayer.decode/b3-c64/hlo.pb"
     shutil.copy(xla_bundles[1] / target, bundle / target)  # same signature, rms_norm_eps 0.5
     rehash(bundle)
     r = CliRunner().invoke(app, ["verify", str(bundle)], env={"COLUMNS": "200"})
     assert r.exit_code == 1, r.output
-    assert "LlamaDecoderLayer.decode bucket 3: hlo.pb output against model.jax 0 differs" in " ".join(r.output.split())
+    assert "LlamaDecoderLayer.decode bucket 3 context 64: hlo.pb output against model.jax 0 differs" in " ".join(r.output.split())
     report = verify(bundle)
     assert [(a.entry, a.bucket) for a in report.artifacts if not a.passed] == [("LlamaDecoderLayer.decode", 3)]
 
@@ -146,3 +146,23 @@ def test_hlo_pb_takes_every_graph_input_even_unread_ones():
     module = xla_client.XlaComputation(lower(graph.program, Specs(graph.inputs, graph.outputs)).hlo_proto).get_hlo_module().to_string()
     entry = module[module.index("ENTRY"):]
     assert entry.count(" parameter(") == 2
+
+
+def test_entry_bucket_and_context_choose_what_verify_and_inspect_show(tiny_dir, tmp_path):
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "b", backend="export", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, context_buckets=(32,))).out
+    report = verify(out, entry_id="LlamaDecoderLayer.decode", bucket=2, context=64)
+    assert report.passed and [(a.entry, a.bucket, a.context) for a in report.artifacts] == [("LlamaDecoderLayer.decode", 2, 64)]
+    assert [(a.bucket, a.context) for a in verify(out, entry_id="LlamaDecoderLayer.decode", bucket=1).artifacts] == [(1, 32)]  # the smallest
+    assert sorted((a.bucket, a.context) for a in verify(out, entry_id="LlamaDecoderLayer.decode").artifacts) == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    r = CliRunner().invoke(app, ["inspect", str(out), "--entry", "LlamaDecoderLayer.decode", "--bucket", "2", "--context", "64"], env={"COLUMNS": "200"})
+    rows = [line for line in r.output.splitlines() if "LlamaDecoderLayer" in line]
+    assert r.exit_code == 0 and len(rows) == 1 and "│ 2 " in rows[0] and "│ 64 " in rows[0], r.output
+    for args, said in [
+        (["--entry", "LlamaDecoderLayer.decode", "--bucket", "2", "--context", "48"], "--context 48: LlamaDecoderLayer.decode has context buckets 32, 64"),
+        (["--entry", "LlamaDecoderLayer.decode", "--bucket", "3"], "--bucket 3: LlamaDecoderLayer.decode has buckets 1, 2"),
+        (["--entry", "LlamaDecoderLayer.decode.c32"], "--entry LlamaDecoderLayer.decode.c32: the bundle has no such entry; it has LlamaDecoderLayer.decode,"),
+        (["--bucket", "1"], "--bucket chooses among one entry's artifacts; pass --entry too"),
+    ]:
+        for command in ("verify", "inspect"):
+            r = CliRunner().invoke(app, [command, str(out), *args])
+            assert r.exit_code == 2 and said in " ".join(r.output.split()), (command, r.output)

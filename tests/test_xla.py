@@ -49,8 +49,9 @@ def xla_bundle(request, tmp_path_factory):
 def test_hlo_for_every_entry_and_bucket_with_donated_caches(xla_bundle):
     _, result = xla_bundle
     arts = list(result.manifest.artifacts())
-    decode = [(f"LlamaDecoderLayer.decode.c{c}", b) for c in (32, 64) for b in (1, 2)]
-    assert sorted((e.id, a.bucket) for e, a in arts) == sorted(decode + [("LlamaDecoderLayer.prefill", 16), ("LMHead.forward", 1), ("LMHead.forward", 2)])
+    decode = [("LlamaDecoderLayer.decode", b, c) for c in (32, 64) for b in (1, 2)]
+    others = [("LlamaDecoderLayer.prefill", 16, None), ("LMHead.forward", 1, None), ("LMHead.forward", 2, None)]
+    assert sorted((e.id, a.bucket, a.context or 0) for e, a in arts) == sorted((e, b, c or 0) for e, b, c in decode + others)
     for e, a in arts:
         folder = result.out / a.dir
         assert set(a.files) == {"hlo.pb", "hlo.txt", "model.jax"}
@@ -84,15 +85,14 @@ def test_every_graph_runs_on_xla_with_its_caches_donated(xla_bundle):
     bundle = Bundle.load(result.out)
     model, g = loaded.model, torch.Generator().manual_seed(0)
     layer = model.model.layers[1]
-    reads = {(e.id, a.bucket): a.dims.get("context", bundle.max_seq) for e, a in bundle.manifest.artifacts()}
-    for (entry_id, bucket), program in bundle.programs.items():
+    for (entry_id, bucket, context), program in bundle.programs.items():
         if entry_id == "LMHead.forward":
             x = torch.randn(bucket, 256, generator=g)
             step = program.bind(Weights.of([p.detach() for p in model.head.parameters()]))
             (out,) = step.run([step.device.put(x)])
             torch.testing.assert_close(step.device.get(out), model.head(x), atol=1e-4, rtol=1e-4)
             continue
-        positions = torch.randint(0, reads[entry_id, bucket], (bucket,), generator=g)  # within what the graph reads
+        positions = torch.randint(0, context or bundle.max_seq, (bucket,), generator=g)  # within what the graph reads
         cos, sin = model.rope(positions)
         slots = torch.arange(bucket) if ".decode" in entry_id else torch.zeros(bucket, dtype=torch.long)
         caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)

@@ -33,6 +33,16 @@ class GraphProgram(Program):
         return Step(HOST, lambda args, call=0: list(gm(*tensors, *args)), tensors)
 
 
+def save_program(program: "ExportedProgram", f) -> None:
+    """torch.export.save without the example inputs: they are fake tensors (the build
+    never reads weights), which do not serialize, and running needs none."""
+    example, program.example_inputs = program.example_inputs, None
+    try:
+        torch.export.save(program, f)
+    finally:
+        program.example_inputs = example
+
+
 @register_backend
 class ExportBackend(Backend):
     name = "export"
@@ -42,13 +52,7 @@ class ExportBackend(Backend):
         return f"torch-{torch.__version__}"
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
-        # Example inputs are fake tensors (the build never reads weights);
-        # they are not needed to run the program, so they are not saved.
-        example, program.example_inputs = program.example_inputs, None
-        try:
-            torch.export.save(program, str(out_dir / PROGRAM))
-        finally:
-            program.example_inputs = example
+        save_program(program, str(out_dir / PROGRAM))
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:

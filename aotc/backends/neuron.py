@@ -504,7 +504,7 @@ class NeuronBackend(Backend):
         manifest's typed flags (never from the bundle's command.txt), then record the NEFFs."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from ..format import confined
+        from ..format import artifact_label, confined
 
         pending = manifest.pending()
         if not pending:
@@ -514,13 +514,13 @@ class NeuronBackend(Backend):
             raise AotcError(f"--resume {bundle}: {COMPILER} is not on PATH; run this on a host with the Neuron SDK")
         root = Path(bundle).resolve()
         for e, a in pending:
-            progress("entry", id=f"{e.id} b{a.bucket}", total=1)
+            progress("entry", id=artifact_label(e.id, a.bucket, a.context), total=1)
 
         def compile_one(item):
             e, a = item
-            folder = confined(root, a.dir, f"{e.id} bucket {a.bucket}")
+            folder = confined(root, a.dir, artifact_label(e.id, a.bucket, a.context))
             run_compiler(compiler_command(self.options, xla.HLO_PROTO, NEFF, a.extra.fp8), folder)
-            progress("done", id=f"{e.id} b{a.bucket}", bucket=a.bucket)
+            progress("done", id=artifact_label(e.id, a.bucket, a.context), bucket=a.bucket)
 
         with ThreadPoolExecutor(max_workers=jobs or parallel_jobs(len(pending), self.compile_memory_gb)) as pool:  # each compile is a subprocess
             list(pool.map(compile_one, pending))

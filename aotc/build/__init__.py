@@ -23,7 +23,7 @@ from ..cache.keys import build_key as _build_key, recipe_key
 from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, save_recipe
 from ..errors import AotcError
-from ..format import Manifest, bundle_writer, check_replaceable, read_manifest, write_manifest
+from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, read_manifest, write_manifest
 from ..models.base import load_model, memory_shortfall
 from ..trace import Variant
 from .assemble import assemble_manifest, model_record
@@ -99,13 +99,13 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     if options.require_cache:
         _check_all_cached(options, keyed, cache)
     jobs = options.jobs or default_jobs(len(tasks), backend)
-    for v in p.variants:
-        total = sum(1 for t in tasks if t[0] is v)
+    for variants in p.entries():
+        total = sum(1 for t in tasks if any(t[0] is v for v in variants))
         if total:
-            progress("entry", id=v.entry_id, total=total)
+            progress("entry", id=variants[0].entry_id, total=total)
     if options.shard:
         built = obtain_artifacts(options, backend, keyed, None, cache, jobs, progress)
-        artifacts = [built[k.entry_id, k.bucket] for k in keyed]
+        artifacts = [built[k.id] for k in keyed]
         return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root)
     with bundle_writer(options.out) as tmp:
         built = obtain_artifacts(options, backend, keyed, tmp, cache, jobs, progress)
@@ -113,14 +113,14 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
         write_manifest(tmp, manifest)
     if recipe is not None:
         save_recipe(cache, recipe, manifest)
-    artifacts = [built[k.entry_id, k.bucket] for k in keyed]
+    artifacts = [built[k.id] for k in keyed]
     return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None, notes)
 
 
-def build_keys(options: BuildOptions) -> list[tuple[str, int, str]]:
-    """(entry id, bucket, cache key) of every artifact of a build, without compiling."""
+def build_keys(options: BuildOptions) -> list[tuple[str, int, int | None, str]]:
+    """(entry id, bucket, context bucket, cache key) of every artifact of a build, without compiling."""
     p = make_plan(options)
-    return [(k.entry_id, k.bucket, k.key) for k in key_graphs(p, p.tasks)]
+    return [(*k.id, k.key) for k in key_graphs(p, p.tasks)]
 
 
 def build_key(options: BuildOptions) -> str:
@@ -136,7 +136,7 @@ def _check_all_cached(options: BuildOptions, keyed: list[KeyedGraph], cache: Loc
         with cache.lock(k.key):
             found = cache.get(k.key) or (remote and cache.put(k.key, lambda tmp: remote.fetch(k.key, tmp)))
         if not found:
-            missing.append(f"{k.entry_id} bucket {k.bucket} (key {k.key[:12]})")
+            missing.append(f"{artifact_label(*k.id)} (key {k.key[:12]})")
     if missing:
         where = f"the cache {cache.root}" + (f" or {options.remote_cache}" if remote else "")
         raise CacheError(
@@ -160,13 +160,13 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
             entry = entries[art.cache_key]
             copy_files(entry.dir, tmp / art.dir, art.files)
             art.served = "cache"
-            artifacts.append(BuiltArtifact(e.id, art.bucket, 0.0, entry.size, art, "cache"))
+            artifacts.append(BuiltArtifact(e.id, art.bucket, art.context, 0.0, entry.size, art, "cache"))
         manifest.model = model_record(options, loaded)  # this folder's, not the recipe's
         write_manifest(tmp, manifest)
     return BuildResult(options.out, manifest, artifacts, 0, [], time.perf_counter() - t0, 1, cache.root)
 
 
-def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[tuple[str, int]]:
+def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[str]:
     """Complete what the build machine could not (a neuron cross-build's compiles),
     through the backend's `finish` hook; the manifest is rewritten once all succeeded."""
     bundle = Path(bundle)
@@ -183,4 +183,4 @@ def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = No
     names = {id(a): e.id for e, a in manifest.artifacts()}
     done = backend.finish(bundle, manifest, jobs, progress or _quiet)
     write_manifest(bundle, manifest)
-    return [(names[id(a)], a.bucket) for a in done]
+    return [artifact_label(names[id(a)], a.bucket, a.context) for a in done]

@@ -7,7 +7,7 @@ import platform
 import torch
 
 from .. import __version__
-from ..format import FORMAT_VERSION, BackendRecord, CacheRegion, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, PassIdentity, ShapesRecord, StoredSpec, WeightSpec
+from ..format import FORMAT_VERSION, BackendRecord, CacheRegion, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, ShapesRecord
 from ..passes import pipeline_identity
 from ..layout import graph_weights
 from ..trace import Variant, dtype_name
@@ -24,9 +24,12 @@ def model_record(options, loaded) -> ModelRecord:
     )
 
 
-def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -> Manifest:
+def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], BuiltArtifact]) -> Manifest:
     options, backend, loaded, shapes = plan.options, plan.backend, plan.loaded, plan.shapes
-    entries = [_entry(v, [built[v.entry_id, b].record for b in options.buckets(v.spec.bucket)], backend.fp8_reading()) for v in plan.variants]
+    entries = [
+        _entry(vs[0], [built[v.entry_id, b, v.context].record for v in vs for b in options.buckets(v.spec.bucket)], backend.fp8_reading())
+        for vs in plan.entries()
+    ]
     return Manifest(
         format_version=FORMAT_VERSION,
         aotc_version=__version__,
@@ -36,7 +39,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int], BuiltArtifact]) -
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
         shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets)),
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
-        passes=[PassIdentity(p["name"], p["uuid"]) for p in pipeline_identity(backend)],
+        passes=pipeline_identity(backend),
         graphs_traced=len(plan.tasks),
         entries=entries,
     )
@@ -62,12 +65,6 @@ def _entry(variant: Variant, records, fp8_reading: str) -> EntryRecord:
         context_arg=variant.spec.context,
         variant=variant.attributes,
         instances=[path for path, _ in variant.instances],
-        weights=[
-            WeightSpec(
-                w.name, list(w.shape), dtype_name(w.dtype), list(w.stride), w.transform, list(w.sources),
-                StoredSpec(w.stored, w.part, dtype_name(w.logical_dtype), fp8_reading if w.stored == "fp8" else "e4m3fn") if w.stored else None,
-            )
-            for w in graph_weights(variant.module)
-        ],
+        weights=graph_weights(variant.module, fp8_reading),
         artifacts=records,
     )

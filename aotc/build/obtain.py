@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..backends import Backend, Progress, Specs
+from ..backends.export import save_program
 from ..cache import LocalCache
 from ..cache.local import CacheError
 from ..format import ArtifactRecord, CompiledRecord, Form, PassRecord, Served, artifact_dir, convert, sha256_file
@@ -34,6 +35,7 @@ from .options import BuildOptions
 class BuiltArtifact:
     entry_id: str
     bucket: int
+    context: int | None  # the context bucket; None for an entry without
     seconds: float  # this build's time for it: compile on a miss, fetch and check on a hit
     size: int
     record: ArtifactRecord
@@ -42,16 +44,16 @@ class BuiltArtifact:
     cache_notes: list[str] = field(default_factory=list)  # corrupt entries found, compiled again
 
 
-def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress) -> dict[tuple[str, int], BuiltArtifact]:
+def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress) -> dict[tuple[str, int, int | None], BuiltArtifact]:
     """Every keyed graph's artifact, copied into out_dir (the bundle being written) when given."""
-    built: dict[tuple[str, int], BuiltArtifact] = {}
+    built: dict[tuple[str, int, int | None], BuiltArtifact] = {}  # by KeyedGraph.id
     misses = []
     for k in keyed:
         if jobs > 1 and (cache is None or not cache.has(k.key)):
             misses.append(k)
             continue
-        built[k.entry_id, k.bucket] = artifact(backend, _compilable(k), out_dir, cache, options.remote_cache)
-        progress("done", id=k.entry_id, bucket=k.bucket)
+        built[k.id] = artifact(backend, _compilable(k), out_dir, cache, options.remote_cache)
+        progress("done", id=k.entry_id, bucket=k.bucket, context=k.variant.context)
     if not misses:
         return built
     ctx = multiprocessing.get_context("spawn")
@@ -60,8 +62,8 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
         futures = {pool.submit(_worker, options, _portable(k), out_dir): k for k in misses}
         for future in as_completed(futures):
             k = futures[future]
-            built[k.entry_id, k.bucket] = future.result()
-            progress("done", id=k.entry_id, bucket=k.bucket)
+            built[k.id] = future.result()
+            progress("done", id=k.entry_id, bucket=k.bucket, context=k.variant.context)
     except BaseException:
         # Interrupted or failed: stop the compiles now rather than wait for them.
         pool.shutdown(wait=False, cancel_futures=True)
@@ -106,8 +108,7 @@ class Compilable:
 def _compilable(k: KeyedGraph) -> Compilable:
     graph = k.graph
     dims = {k.variant.spec.bucket: k.bucket} | ({"context": k.variant.context} if k.variant.context else {})
-    passes = [PassRecord(p.name, p.uuid, p.changes) for p in graph.passes]
-    return Compilable(k.entry_id, dims, k.bucket, k.key, graph.program, Specs(graph.inputs, graph.outputs), graph_form(graph), passes, graph.export_s)
+    return Compilable(k.entry_id, dims, k.bucket, k.key, graph.program, Specs(graph.inputs, graph.outputs), graph_form(graph), list(graph.passes), graph.export_s)
 
 
 @dataclass
@@ -120,14 +121,8 @@ class _Portable:
 
 def _portable(k: KeyedGraph) -> _Portable:
     item = _compilable(k)
-    program = item.program
-    # Example inputs are fake tensors, which do not serialize; the worker remakes them.
-    example, program.example_inputs = program.example_inputs, None
     buf = io.BytesIO()
-    try:
-        torch.export.save(program, buf)
-    finally:
-        program.example_inputs = example
+    save_program(item.program, buf)  # the worker remakes the example inputs
     return _Portable(dataclasses.replace(item, program=None), buf.getvalue())
 
 
@@ -145,7 +140,7 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
     """Get one artifact, from the cache when its key is there, else by compiling; copy it into the bundle."""
     t0 = time.perf_counter()
     key = item.key
-    rel = artifact_dir(item.entry_id, item.bucket)
+    rel = artifact_dir(item.entry_id, item.bucket, item.dims.get("context"))
     remote = remote_client(remote_url) if remote_url else None
     errors_before = len(remote.errors) if remote else 0
     notes: list[str] = []
@@ -176,7 +171,7 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
         fields["extra"] = convert(record.extra or {}, backend.extra_type, f"cache entry {key}: extra", CacheError)
     art = ArtifactRecord(**fields, bucket=item.bucket, dims=item.dims, dir=rel, served=source)
     errors = remote.errors[errors_before:] if remote else []
-    return BuiltArtifact(item.entry_id, item.bucket, time.perf_counter() - t0, size, art, source, errors, notes)
+    return BuiltArtifact(item.entry_id, item.bucket, art.context, time.perf_counter() - t0, size, art, source, errors, notes)
 
 
 def copy_files(src: Path, dst: Path, files) -> None:

@@ -111,6 +111,19 @@ class BuildOptions:
             if why:
                 self.backend_note = f"using the export backend: inductor is unavailable: {why}"
 
+    @classmethod
+    def of_manifest(cls, manifest, model_dir: Path) -> "BuildOptions":
+        """The options a bundle was built with, as far as they make its graphs (its shapes,
+        context buckets, KV cache dtype, backend and device, plugins): what re-tracing
+        one of its graphs takes. Nothing is compiled or written with them."""
+        shapes = manifest.shapes
+        return cls(
+            Path(model_dir), batch_buckets=tuple(shapes.batch),
+            chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
+            backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
+            kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False,
+        )  # fmt: skip
+
     def resolve_contexts(self) -> None:
         """Fill in context_buckets from max_seq (set first): the default, or the given ones
         checked, with max_seq added last."""

@@ -27,6 +27,13 @@ class Plan:
     variants: list[Variant]
     tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
 
+    def entries(self) -> list[list[Variant]]:
+        """The variants of each entry, in manifest order: one, or one per context bucket."""
+        grouped: dict[str, list[Variant]] = {}
+        for v in self.variants:
+            grouped.setdefault(v.entry_id, []).append(v)
+        return list(grouped.values())
+
 
 def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
     """Fill in what depends on the config; (config dict, model class, backend). Cheap: no torch model."""
@@ -54,7 +61,7 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
 def shard_of(tasks: list[tuple[Variant, int]], shard: tuple[int, int]) -> list[tuple[Variant, int]]:
     """The i-th of n shares of the tasks: a stable split that every shard computes alike."""
     i, n = shard
-    return sorted(tasks, key=lambda t: (t[0].entry_id, t[1]))[i - 1 :: n]
+    return sorted(tasks, key=lambda t: (t[0].entry_id, t[1], t[0].context or 0))[i - 1 :: n]
 
 
 def _contexts(options: BuildOptions, model) -> tuple[int, ...]:
@@ -69,13 +76,9 @@ def _contexts(options: BuildOptions, model) -> tuple[int, ...]:
 
 
 def per_context(variants: list[Variant], contexts: tuple[int, ...]) -> list[Variant]:
-    """A variant whose entry reads positions (EntrySpec.context) once per context bucket;
-    with several buckets, each is an entry of its own, `<id>.c<positions>`."""
+    """A variant whose entry reads positions (EntrySpec.context) once per context bucket:
+    the same entry, traced at each (its artifacts' dims["context"])."""
     out = []
     for v in variants:
-        if v.spec.context is None:
-            out.append(v)
-            continue
-        for c in contexts:
-            out.append(dataclasses.replace(v, entry_id=f"{v.entry_id}.c{c}" if len(contexts) > 1 else v.entry_id, context=c))
+        out += [v] if v.spec.context is None else [dataclasses.replace(v, context=c) for c in contexts]
     return out

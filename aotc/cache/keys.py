@@ -28,22 +28,24 @@ if TYPE_CHECKING:
     from ..trace import TracedGraph
 
 
-def cache_key(graph: "TracedGraph", backend: "Backend") -> str:
+def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = None) -> str:
+    """`version`: the backend version to key with (default: this machine's; a re-trace
+    keys with the version the bundle was built with, to compare graphs)."""
     payload = {
         "format": FORMAT_VERSION,
         "graph": graph.graph_module.code,
         "inputs": [(i.kind, i.shape, i.dtype, i.stride, i.pad) for i in graph.inputs],
         "outputs": [(o.shape, o.dtype) for o in graph.outputs],
         "backend": backend.name,
-        "backend_version": backend.version(),
+        "backend_version": backend.version() if version is None else version,
         "flags": backend.flags(),
         "torch": torch.__version__,
     }
     return _digest(payload)
 
 
-def build_key(keys: list[tuple[str, int, str]]) -> str:
-    """One key for a whole build from its (entry, bucket, key) triples."""
+def build_key(keys: list[tuple]) -> str:
+    """One key for a whole build from its (entry, bucket, context, key) tuples."""
     return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
 
 

@@ -35,7 +35,7 @@ def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Ent
     manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
     entries = {}
     for e, art in manifest.artifacts():
-        if not is_file_name(e.id) or art.dir != artifact_dir(e.id, art.bucket) or not all(map(is_file_name, art.files)):
+        if not is_file_name(e.id) or art.dir != artifact_dir(e.id, art.bucket, art.context) or not all(map(is_file_name, art.files)):
             # Not a folder aotc would write: a corrupt recipe is a miss, never followed.
             return None
         try:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import fx
 
+from ..format import PassIdentity, PassRecord
 from .base import GraphPass, PassResult
 from .reslice_cache_views import ResliceCacheViews
 from .split_dtype_regions import SplitDtypeRegions
@@ -34,13 +34,6 @@ STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
 # (Backend.passes(); e.g. inductor on the CPU, whose decode is bound by weight reads).
 
 
-@dataclass
-class PassReport:
-    name: str
-    uuid: str
-    changes: int
-
-
 def needs_static(backend: "Backend | None") -> bool:
     """Whether graphs for this backend must have static shapes only."""
     return backend is not None and backend.static_shapes
@@ -54,14 +47,14 @@ def pipeline_for(backend: "Backend | None") -> list[GraphPass]:
     return (STATIC_PASSES if backend.static_shapes else []) + PIPELINE + backend.passes()
 
 
-def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassReport]:
+def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassRecord]:
     reports = []
     for p in PIPELINE if passes is None else passes:
         result: PassResult = p(gm)
-        reports.append(PassReport(p.name, p.uuid(), result.changes))
+        reports.append(PassRecord(p.name, p.uuid(), result.changes))
     return reports
 
 
-def pipeline_identity(backend: "Backend | None" = None) -> list[dict]:
+def pipeline_identity(backend: "Backend | None" = None) -> list[PassIdentity]:
     """Name and source hash of each pass, in order, for cache keys and the manifest."""
-    return [{"name": p.name, "uuid": p.uuid()} for p in pipeline_for(backend)]
+    return [PassIdentity(p.name, p.uuid()) for p in pipeline_for(backend)]

@@ -21,7 +21,7 @@ from ..backends import Backend, Program, get_backend
 from ..backends.base import Device, Weights
 from ..entry import entries_of
 from ..errors import BundleError
-from ..format import MANIFEST, Manifest, WeightSpec, bad_file, read_manifest
+from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, read_manifest
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
@@ -35,7 +35,7 @@ from .resident import DeviceCaches
 class Bundle:
     dir: Path
     manifest: Manifest
-    programs: dict[tuple[str, int], Program]  # (entry id, bucket) -> loaded artifact
+    programs: dict[tuple[str, int, int | None], Program]  # (entry id, bucket, context bucket) -> loaded artifact
     load_s: float
     backend: Backend | None = None  # the load half that made the programs (None: none loaded)
 
@@ -66,7 +66,7 @@ class Bundle:
         load_plugins(manifest.plugins)
         pending = manifest.pending()
         if pending and load_artifacts:
-            names = ", ".join(f"{e.id} bucket {a.bucket}" for e, a in pending)
+            names = ", ".join(artifact_label(e.id, a.bucket, a.context) for e, a in pending)
             raise BundleError(
                 f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
@@ -84,7 +84,7 @@ class Bundle:
                 raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
             if load_artifacts:
                 _check_signature(path, entry, art, backend.signature(art_dir))
-                programs[(entry.id, art.bucket)] = backend.load(art_dir, art)
+                programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
         return cls(path, manifest, programs, time.perf_counter() - t0, backend)
 
     @property
@@ -140,16 +140,12 @@ class Bundle:
             raise BundleError(f"{self.dir}: loaded without its artifacts (load_artifacts=False); it cannot run")
         weights = bound_weights(self.manifest, model, self.dir)
         device = self.backend.device_for(rank, world_size)
-        # An instance's method has one entry per context bucket (or one): one dispatcher for them all.
-        graphs: dict[tuple[str, str], list] = {}
+        memo = StepMemo()
         for entry in self.manifest.entries:
             for path in entry.instances:
                 source = weights[entry.id, path]
-                steps = {art.bucket: self.programs[entry.id, art.bucket].bind(source, rank=rank, world_size=world_size) for art in entry.artifacts}
-                graphs.setdefault((path, entry.method), []).append((entry, steps))
-        memo = StepMemo()
-        for (path, method), found in graphs.items():
-            setattr(model.get_submodule(path), method, Dispatcher(found, device, memo))
+                steps = {(a.context, a.bucket): self.programs[entry.id, a.bucket, a.context].bind(source, rank=rank, world_size=world_size) for a in entry.artifacts}
+                setattr(model.get_submodule(path), entry.method, Dispatcher(entry, steps, device, memo))
         if device.resident:
             model.allocate_caches = DeviceAllocator(model, device)
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
@@ -203,7 +199,7 @@ def _check_signature(bundle: Path, entry, art, found) -> None:
         diff = next(((i, e, f) for i, (e, f) in enumerate(zip(expected, found)) if list(e[0]) != list(f[0]) or e[1] != f[1]), None)
         what = f"input {diff[0]} is {diff[2]}, the manifest says {diff[1]}" if diff else f"{len(found)} inputs, the manifest says {len(expected)}"
         raise BundleError(
-            f"{bundle / art.dir}: the artifact is not {entry.id} bucket {art.bucket} as the manifest says ({what}); "
+            f"{bundle / art.dir}: the artifact is not {artifact_label(entry.id, art.bucket, art.context)} as the manifest says ({what}); "
             "the bundle was altered. Rebuild it (aotc build)"
         )
 

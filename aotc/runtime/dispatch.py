@@ -90,15 +90,14 @@ class StepMemo:
 
 
 class Dispatcher:
-    """One instance's entry method, run compiled. `graphs`: for each context bucket of
-    the entry (one entry record each; a single one with no context), the record and
-    its steps (programs bound to this instance's weights) by bucket, all on `device`.
-    `memo`: shared by the dispatchers of one model."""
+    """One instance's entry method, run compiled. `steps`: the entry's programs bound to
+    this instance's weights, by (context bucket, bucket) as its artifacts' dims say
+    (context None for an entry without), all on `device`. `memo`: shared by the
+    dispatchers of one model."""
 
-    def __init__(self, graphs: list[tuple[EntryRecord, dict[int, Step]]], device: Device = HOST, memo: StepMemo | None = None):
-        entry = graphs[0][0]
+    def __init__(self, entry: EntryRecord, steps: dict[tuple[int | None, int], Step], device: Device = HOST, memo: StepMemo | None = None):
         self.memo = memo or StepMemo()
-        self.entry_id = entry.id.removesuffix(f".c{entry.artifacts[0].dims.get('context')}")  # one name for every context
+        self.entry_id = entry.id
         self.split = entry.split
         self.device = device
         self.resident = device.resident
@@ -125,12 +124,11 @@ class Dispatcher:
         # cache input's (shape, stride) in those graphs: the first positions of the cache
         # (or all of it, where the graph slices it: a backend without views).
         self.steps, self.layouts = {}, {}
-        for record, steps in graphs:
-            context = record.artifacts[0].dims.get("context")
-            self.steps[context] = steps
-            self.layouts[context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in record.artifacts[0].inputs]
+        for art in entry.artifacts:
+            self.steps.setdefault(art.context, {})[art.bucket] = steps[art.context, art.bucket]
+            self.layouts[art.context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in art.inputs]
         self.contexts = sorted(self.steps, key=lambda c: c or 0)
-        self.buckets = sorted(graphs[0][1])
+        self.buckets = sorted({a.bucket for a in entry.artifacts})
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
         # A split entry's rows past the last whole largest bucket, r of them: the row counts of

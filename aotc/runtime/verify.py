@@ -1,6 +1,7 @@
 """`aotc verify`: every artifact of a bundle against the eager entry method.
 
-For each (entry, bucket) artifact, one call of the entry's first instance, with
+For each artifact (an entry at a bucket and context bucket), or the one that
+--entry/--bucket/--context choose, one call of the entry's first instance, with
 as many rows as map to that bucket (one fewer than the bucket where that still
 maps to it, so that padding runs too). The inputs are what the model's own
 orchestration makes, never unconstrained random integers (XLA clamps an index
@@ -54,6 +55,7 @@ SEED = 0
 class ArtifactCheck:
     entry: str
     bucket: int
+    context: int | None  # the context bucket; None for an entry without
     rows: int
     instance: str
     tolerance: float
@@ -84,10 +86,16 @@ class VerifyReport:
 
 
 @torch.no_grad()
-def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Sequence[str] = (), strict: bool = False) -> VerifyReport:
+def verify(
+    path: Path | str, model_dir: Path | str | None = None, plugins: Sequence[str] = (), strict: bool = False,
+    entry_id: str | None = None, bucket: int | None = None, context: int | None = None,
+) -> VerifyReport:  # fmt: skip
+    """Every artifact, or with entry_id the one at `bucket` and `context` (default: the
+    entry's smallest context bucket), or with entry_id alone all of that entry's."""
     path = Path(path)
     load_plugins(plugins)  # a plugin may register the bundle's backend
     manifest = read_manifest(path)
+    chosen = manifest.select(entry_id, bucket, context)
     name = manifest.backend.name
     backend = get_backend_class(name)(**manifest.backend.flags)
     # Where the artifacts cannot run here (a NEFF without the Neuron runtime, or still
@@ -114,11 +122,11 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
     bound = bound_weights(manifest, model, path)
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     checks = []
-    for entry, art in manifest.artifacts():
+    for entry, art in chosen:
         instance_path = entry.instances[0]
         instance = model.get_submodule(instance_path)
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
-        check = ArtifactCheck(entry.id, art.bucket, n, instance_path, tolerance_for(dtype, name), lint=backend.findings(art.extra))
+        check = ArtifactCheck(entry.id, art.bucket, art.context, n, instance_path, tolerance_for(dtype, name), lint=backend.findings(art.extra))
         checks.append(check)
         call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator))
         if call is None:
@@ -128,14 +136,14 @@ def verify(path: Path | str, model_dir: Path | str | None = None, plugins: Seque
         spec = entries_of(type(instance))[entry.method]
         cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
         weights_in = bound[entry.id, instance_path]
-        programs = [bundle.programs[entry.id, art.bucket]] if bundle.programs else []
+        programs = [bundle.programs[entry.id, art.bucket, art.context]] if bundle.programs else []
         reference = backend.reference(path / art.dir, art)
         if reference is not None:
             programs.append(reference)
         if not programs:
             check.problems.append(f"nothing here runs the artifact: {backend.can_load() or 'it is pending'}, and the backend's reference runner cannot run here either")
             continue
-        runs = [(p.label, _run(entry, art.bucket, p, weights_in, before)) for p in programs]
+        runs = [(p.label, _run(entry, art, p, weights_in, before)) for p in programs]
         first, (out, after) = runs[0]
         check.max_abs, check.max_rel = _compare(out, eager_out, check, f"{first} output")
         _compare_caches(after, before, eager_after, cache_at, manifest.shapes.cache_slots - 1, n < art.bucket, check, first)
@@ -194,15 +202,16 @@ def _clone(out):
     return tuple(o.clone() for o in out) if isinstance(out, tuple) else (out.clone(),)
 
 
-def _run(entry, bucket: int, program, weights, before):
+def _run(entry, art, program, weights, before):
     """The artifact on a copy of the eager inputs; a packed cache goes in as its regions,
     each a copy of its own, and comes back packed, to compare byte for byte."""
     args = [a.clone() for a in before]
     step = program.bind(weights)
     device = step.device
-    dispatcher = Dispatcher([(entry, {bucket: step})], device)
+    # A dispatcher of this one artifact: it pads the rows as the runtime does.
+    dispatcher = Dispatcher(dataclasses.replace(entry, artifacts=[art]), {(art.context, art.bucket): step}, device)
     spans: dict[str, dict] = {}
-    for spec in entry.artifacts[0].inputs:
+    for spec in art.inputs:
         if spec.region is not None:
             spans.setdefault(spec.region.of, {})[(spec.region.start, spec.region.end)] = getattr(torch, spec.dtype)
     given = [Regions.unpack(a, spans[name]) if name in spans else a for name, a in zip(dispatcher.names, args)]
