@@ -501,17 +501,15 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
                     f"{where}.dims: expected {expected} (entries[{i}].context_arg is {entry.context_arg!r}), got {art.dims}; rebuild the bundle"
                 )
         kinds = manifest.shapes.buckets(entry.bucket_kind)
-        contexts = manifest.shapes.context if entry.context_arg is not None else [None]
-        want = sorted((b, c or 0) for b in kinds for c in contexts)
-        have = sorted((a.bucket, a.context or 0) for a in entry.artifacts)
+        if entry.context_arg is None:  # the dims check above: no artifact of it has a context
+            want, have, what = sorted(kinds), sorted(a.bucket for a in entry.artifacts), "buckets"
+            shapes, per = f"shapes.{entry.bucket_kind} is {kinds}", ""
+        else:
+            want = sorted((b, c) for b in kinds for c in manifest.shapes.context)
+            have, what = sorted((a.bucket, a.context) for a in entry.artifacts), "(bucket, context) pairs"
+            shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and shapes.context is {manifest.shapes.context}", " at each context bucket"
         if have != want:
-            what = "(bucket, context) pairs" if entry.context_arg is not None else "buckets"
-            show = lambda pairs: [p if entry.context_arg is not None else p[0] for p in pairs]  # noqa: E731
-            raise error(
-                f"{source}: entries[{i}].artifacts: {what} {show(have)}, but shapes.{entry.bucket_kind} is {kinds}"
-                + (f" and shapes.context is {manifest.shapes.context}" if entry.context_arg is not None else "")
-                + f": every bucket needs one artifact{' at each context bucket' if entry.context_arg is not None else ''}. Rebuild the bundle"
-            )
+            raise error(f"{source}: entries[{i}].artifacts: {what} {have}, but {shapes}: every bucket needs one artifact{per}. Rebuild the bundle")
     return manifest
 
 

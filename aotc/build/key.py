@@ -15,7 +15,8 @@ from ..errors import AotcError
 from ..format import ArtifactRecord, EntryRecord, Form, Manifest, artifact_label
 from ..passes.strip_data_dependent import unbacked_in
 from ..trace import TracedGraph, Variant, trace
-from .plan import Plan
+from .options import BuildOptions
+from .plan import Plan, make_plan
 
 
 @dataclass
@@ -52,9 +53,6 @@ def retrace(manifest: Manifest, entry: EntryRecord, art: ArtifactRecord, model_d
     """The graph of one artifact of a bundle, traced again from the model folder with the
     options the manifest records (aotc bisect). It must have the artifact's own cache
     key: any other graph is not the one that was compiled."""
-    from .options import BuildOptions
-    from .plan import make_plan
-
     options = BuildOptions.of_manifest(manifest, model_dir)
     plan = make_plan(options, backend)
     variant = next((v for v in plan.variants if v.entry_id == entry.id and v.context == art.context), None)
