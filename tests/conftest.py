@@ -90,6 +90,13 @@ def tiny_bundle(tiny_dir, tmp_path_factory):
     return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256, backend="export"))
 
 
+@pytest.fixture(scope="session")
+def context_bundle(tiny_dir, tmp_path_factory):
+    """Decode graphs that read the first 64 cache positions, and all 256 (export)."""
+    out = tmp_path_factory.mktemp("bundles") / "contexts"
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=256, context_buckets=(64,), backend="export")).out
+
+
 def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):
     """Save a tiny random transformers model with save_pretrained; returns (folder, model)."""
     torch.manual_seed(seed)
@@ -163,3 +170,60 @@ def record_contexts(dispatcher) -> list:
     used = []
     wrap_steps(dispatcher, lambda context, bucket, run: lambda args: used.append(context) or run(args))
     return used
+
+
+def perturbing(part: str):
+    """A wrap for wrap_programs: steps whose outputs (part "output") or cache writes (part
+    "cache": each byte the graph wrote, its bit 0x40 flipped) are not the graph's."""
+
+    def wrap(key, run):
+        def changed(args):
+            if part == "output":
+                return [o + 0.5 * (1 + o.abs()) if o.is_floating_point() else o for o in run(args)]
+            before = [a.clone() if isinstance(a, torch.Tensor) else None for a in args]
+            outs = run(args)
+            for a, b in zip(args, before):
+                if b is not None and a.numel():
+                    now, was = a.view(torch.uint8), b.view(torch.uint8)
+                    now[now != was] ^= 0x40
+            return outs
+
+        return changed
+
+    return wrap
+
+
+def assert_verify_catches_differences(monkeypatch, path, reference: bool = False, **kw):
+    """`aotc verify` of the bundle at `path` passes, and fails once every program's outputs
+    differ (each artifact, with its output message), and again once its cache writes differ
+    (each artifact that writes a cache, with the cache message). reference=True: the
+    backend's reference runner is what differs (a bundle whose programs cannot load here)."""
+    from aotc.backends import get_backend_class
+    from aotc.format import read_manifest
+    from aotc.runtime import verify as verify_mod
+
+    report = verify_mod.verify(path, **kw)
+    assert report.passed and report.artifacts, [(a.entry, a.bucket, a.context, a.problems) for a in report.artifacts]
+    manifest = read_manifest(path)
+    writes = {e.id for e in manifest.entries if any(i.kind == "cache" for i in e.artifacts[0].inputs)}
+    for part, said in [("output", "output 0 differs by up to"), ("cache", "differently from eager where eager wrote")]:
+        with monkeypatch.context() as m:
+            if reference:
+                cls = get_backend_class(manifest.backend.name)
+                own = cls.reference
+                m.setattr(cls, "reference", lambda self, d, r: _Wrapped(own(self, d, r), lambda run: perturbing(part)(None, run)))
+            else:
+                load = verify_mod.Bundle.load
+
+                def loading(*a, **k):
+                    bundle = load(*a, **k)
+                    wrap_programs(bundle, perturbing(part))
+                    return bundle
+
+                m.setattr(verify_mod.Bundle, "load", loading)
+            got = verify_mod.verify(path, **kw)
+        failed = {(a.entry, a.bucket, a.context) for a in got.artifacts if any(said in p for p in a.problems)}
+        expected = {(a.entry, a.bucket, a.context) for a in got.artifacts if part == "output" or a.entry in writes}
+        assert failed == expected and expected, (part, [(a.entry, a.bucket, a.problems) for a in got.artifacts])
+        assert not any(a.passed for a in got.artifacts if (a.entry, a.bucket, a.context) in expected)
+    return report

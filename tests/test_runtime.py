@@ -199,7 +199,7 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
         assert used and set(used) == {bucket}, (batch, used)
 
 
-@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (40, [16, 16, 16]), (17, [16, 16]), (64, [64]), (8, [16])])
+@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (80, [64, 16]), (40, [16, 16, 16]), (32, [16, 16]), (17, [16, 16]), (64, [64]), (8, [16])])
 def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
     """Whole 64-token chunks, then the rest in the chunk buckets (16, 64) that compute the
     fewest rows: 40 tokens as 16 + 16 + 8 (48 rows), not one 64; logits are eager's."""
@@ -214,13 +214,6 @@ def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
     Bundle.unbind(loaded.model)
     want = loaded.model.prefill(ids, 0, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def context_bundle(tiny_dir, tmp_path_factory):
-    """Decode graphs that read the first 64 cache positions, and all 256."""
-    out = tmp_path_factory.mktemp("bundles") / "contexts"
-    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=256, context_buckets=(64,), backend="export")).out
 
 
 @pytest.mark.parametrize("lengths, contexts", [((60,), [64] * 4 + [256] * 5), ((3, 70), [256] * 9), ((3, 50), [64] * 9)])
@@ -320,3 +313,62 @@ def test_check_tolerance_grows_with_the_logit():
     assert compare(generation(eager + torch.tensor([0.5, 0.0, 0.0])), generation(eager), 0.1).passed  # 0.5 <= 0.1 + 1.0
     report = compare(generation(eager + torch.tensor([0.0, 0.2, 0.0])), generation(eager), 0.1)
     assert not report.passed and report.per_prompt[0].equal and not report.per_prompt[0].logits_close  # 0.2 > 0.1 at 0
+
+
+def test_step_memo_forgets_a_tensor_changed_in_place_or_replaced():
+    from aotc.runtime.dispatch import StepMemo
+
+    memo, t = StepMemo(), torch.arange(4)
+    made = memo.put(t, "padded", torch.zeros(8))
+    assert memo.get(t, "padded") is made and memo.get(t, "other") is None
+    t += 1  # the same object, changed in place: what was made from it is stale
+    assert memo.get(t, "padded") is None
+    assert memo.get(torch.arange(4), "padded") is None  # an equal tensor is not the one it was made from
+    # Past LIMIT entries the least recently used goes: `t` was used, so the next-oldest goes first.
+    keep = [torch.arange(2) for _ in range(StepMemo.LIMIT)]
+    memo = StepMemo()
+    for k in keep:
+        memo.put(k, "x", k)
+    assert memo.get(keep[0], "x") is keep[0]
+    memo.put(t, "x", t)
+    assert memo.get(keep[0], "x") is keep[0] and memo.get(keep[1], "x") is None and len(memo.made) == StepMemo.LIMIT
+    # A padded call's output: its first rows feed the next call as the whole it was cut from.
+    whole = torch.ones(4, 3)
+    (view,) = memo.sliced([whole], 3)
+    assert memo.whole(view, 4) is whole and memo.whole(view, 2) is None and memo.whole(view.clone(), 4) is None
+    view += 1
+    assert memo.whole(view, 4) is None
+
+
+def test_positions_advanced_in_place_match_eager(bound, tiny_dir):
+    """A caller that advances one positions tensor in place between steps (batch 3, padded
+    to bucket 4 once per step for every layer) gets eager's logits at every step."""
+    loaded, bundle = bound
+    eager = load_model(tiny_dir).model
+    caches = [m.allocate_caches(bundle.cache_slots, bundle.max_seq) for m in (loaded.model, eager)]
+    ids, positions = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
+    for _ in range(3):
+        got = loaded.model.decode(ids, positions, caches[0])
+        torch.testing.assert_close(got, eager.decode(ids, positions.clone(), caches[1]), atol=1e-4, rtol=1e-4)
+        positions += 1
+
+
+def test_an_argument_of_another_dtype_is_an_error_naming_it(bound):
+    loaded, bundle = bound
+    layer, model = loaded.model.model.layers[0], loaded.model
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    cos, sin = model.rope(torch.tensor([0, 1]))
+    with pytest.raises(BundleError, match=r"LlamaDecoderLayer.decode: argument 'x' is torch.float64, the graph takes torch.float32"):
+        layer.decode(torch.zeros(2, 256, dtype=torch.float64), cos, sin, torch.tensor([0, 1]), torch.tensor([0, 1]), caches["k"][0], caches["v"][0])
+    with pytest.raises(BundleError, match=r"argument 'positions' is torch.int32, the graph takes torch.int64"):
+        layer.decode(torch.zeros(2, 256), cos, sin, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1]), caches["k"][0], caches["v"][0])
+
+
+@pytest.mark.parametrize("max_seq, contexts", [(100, (100,)), (256, (256,)), (257, (256, 257)), (4096, (256, 1024, 4096)), (5000, (256, 1024, 4096, 5000))])
+def test_default_context_buckets_are_256_times_powers_of_4_below_max_seq(tiny_dir, max_seq, contexts):
+    options = BuildOptions(tiny_dir, max_seq=max_seq)
+    options.resolve_contexts()
+    assert options.context_buckets == contexts
+    given = BuildOptions(tiny_dir, max_seq=max_seq, context_buckets=(64,))
+    given.resolve_contexts()
+    assert given.context_buckets == (64, max_seq)

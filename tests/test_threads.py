@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,11 +77,118 @@ def test_the_first_count_leaves_out_the_processes_running_now(cpus):
     assert gov.step() == 4
 
 
-def test_real_counters_are_seconds():
-    assert running_elsewhere() >= 0
-    busy, own = cpu_counters()
-    assert busy > 0 and 0 < own <= busy + 1  # /proc/stat ticks and os.times, both in seconds
-    assert os.path.exists("/proc/stat")
+def test_real_counters_count_seconds_not_ticks():
+    """A third of a second of this process spinning: both counters grow by about that,
+    where /proc/stat's ticks (100 a second) would grow by 30."""
+    import time
+
+    before, t0 = cpu_counters(), time.perf_counter()
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # spin: this process's own CPU time
+        pass
+    after, wall = cpu_counters(), time.perf_counter() - t0
+    busy, own = after[0] - before[0], after[1] - before[1]
+    assert own >= 0.25
+    cpus = os.cpu_count()
+    assert 0.5 * own <= busy <= cpus * wall + 0.05, (busy, own, wall)
+
+
+@pytest.fixture
+def fake_proc(tmp_path, monkeypatch):
+    """/proc/loadavg and /proc/self/task/*/stat, as running_elsewhere reads them, made here."""
+    root = tmp_path / "proc"
+    monkeypatch.setattr(threads_mod, "Path", lambda p: Path(str(p).replace("/proc", str(root), 1)))
+
+    def make(running: int, states: list[str]):
+        (root / "self" / "task").mkdir(parents=True, exist_ok=True)
+        (root / "loadavg").write_text(f"1.50 0.80 0.40 {running}/312 4242\n")
+        for i, state in enumerate(states):
+            (root / "self" / "task" / str(100 + i)).mkdir(exist_ok=True)
+            # a thread name with a ") " in it: the state is the field after the last ")"
+            (root / "self" / "task" / str(100 + i) / "stat").write_text(f"{100 + i} (pt main) S) {state} 1 100 100 0 -1\n")
+
+    return make
+
+
+def test_running_elsewhere_leaves_out_this_process_running_threads(fake_proc):
+    fake_proc(running=5, states=["R", "R", "S", "D"])
+    assert running_elsewhere() == 3  # 5 running, 2 of them ours
+    fake_proc(running=1, states=["R", "R", "R", "R"])  # loadavg sampled a moment apart
+    assert running_elsewhere() == 0
+
+
+def test_running_elsewhere_is_none_without_proc_or_with_another_format(fake_proc, tmp_path):
+    assert running_elsewhere() is None  # no loadavg made
+    fake_proc(running=2, states=["R"])
+    for text in ("1.50 0.80", "1.50 0.80 0.40 x/312 4242"):  # too few fields; not a count
+        (tmp_path / "proc" / "loadavg").write_text(text)
+        assert running_elsewhere() is None
+
+
+def test_a_thread_that_ends_while_counted_is_skipped(fake_proc, tmp_path):
+    fake_proc(running=4, states=["R", "R"])
+    (tmp_path / "proc" / "self" / "task" / "999").mkdir()  # listed, but its stat is gone
+    assert running_elsewhere() == 2
+
+
+def test_counter_skew_never_gives_more_threads_than_cpus(cpus):
+    """os.times can run ahead of /proc/stat: others never count below zero, even where
+    torch was started with more threads than the machine has CPUs."""
+    torch.set_num_threads(6)
+    m = Machine()
+    gov = ThreadGovernor(counters=m.counters, elsewhere=lambda: 0, clock=lambda: m.t)
+    m.advance(0.3, others=0.0, own=2.0)
+    m.own += 0.3  # this process's counter ahead of the machine's by one CPU
+    assert gov.step() == 4
+
+
+def test_a_step_within_the_same_instant_keeps_the_count(cpus):
+    """With interval 0 and a clock that has not moved, no time has passed to measure."""
+    m = Machine()
+    gov = ThreadGovernor(counters=m.counters, elsewhere=lambda: 0, clock=lambda: m.t, interval=0)
+    assert gov.step() == 4 and gov.step() == 4
+
+
+def test_an_unknown_cpu_count_is_one_cpu(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads_mod.os, "cpu_count", lambda: None)
+    torch.set_num_threads(4)
+    try:
+        assert ThreadGovernor(counters=lambda: None, elsewhere=lambda: 0).threads == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_counters_is_none_without_proc_stat(monkeypatch):
+    def missing(*a, **k):
+        raise FileNotFoundError("/proc/stat")
+
+    monkeypatch.setattr("builtins.open", missing)
+    assert cpu_counters() is None
+
+
+def test_aotc_run_threads_reaches_the_governor(tiny_bundle, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from aotc.cli import app
+
+    generate_mod = sys.modules["aotc.runtime.generate"]
+    asked = []
+
+    class Recording(ThreadGovernor):
+        def __init__(self, threads=None):
+            asked.append(threads)
+            super().__init__(threads, counters=lambda: None, elsewhere=lambda: None)
+
+    monkeypatch.setattr(generate_mod, "ThreadGovernor", Recording)
+    before = torch.get_num_threads()
+    for args, want in [(["--threads", "1"], 1), ([], None)]:
+        r = CliRunner().invoke(app, ["run", str(tiny_bundle.out), "--prompt", "hi", "--max-new-tokens", "2", "--json", *args])
+        assert r.exit_code == 0, r.output
+        assert asked[-1] == want
+    assert torch.get_num_threads() == before
 
 
 def test_generate_asks_the_governor_before_every_step_and_restores(tiny_dir, monkeypatch):

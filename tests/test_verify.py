@@ -18,7 +18,9 @@ from aotc.cli import app
 from aotc.models.tiny import write_tiny
 from aotc.runtime.verify import verify
 
-from .conftest import rehash
+from aotc.format import artifact_dir
+
+from .conftest import assert_verify_catches_differences, perturbing, rehash, wrap_programs
 
 OPTIONS = dict(batch_buckets=(1, 3), chunk_buckets=(16,), max_seq=64)
 
@@ -35,9 +37,16 @@ def xla_bundles(tiny_dir, tmp_path_factory):
     )
 
 
-def test_export_bundle_verifies_every_artifact(tiny_bundle):
-    report = verify(tiny_bundle.out)
-    assert report.passed, [(a.entry, a.bucket, a.problems) for a in report.artifacts]
+@pytest.fixture(scope="module")
+def other_eps_export(tmp_path_factory):
+    """tiny_bundle's graphs for the model with another rms_norm_eps: same signatures."""
+    root = tmp_path_factory.mktemp("verify-export")
+    other = write_tiny(root / "other-eps", layers=2, rms_norm_eps=0.5)
+    return build(BuildOptions(other, out=root / "b", batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256, backend="export")).out
+
+
+def test_export_bundle_verifies_every_artifact(tiny_bundle, monkeypatch):
+    report = assert_verify_catches_differences(monkeypatch, tiny_bundle.out)
     got = {(a.entry, a.bucket, a.rows) for a in report.artifacts}
     # one row under each bucket where that still maps to it: padding runs
     assert got == {
@@ -85,8 +94,8 @@ def test_padding_that_reaches_a_real_slot_fails(tiny_bundle, tmp_path):
 def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the artifacts stay pending
     out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, **OPTIONS)).out
-    report = verify(out)
-    assert report.passed and all(a.reference == "hlo.pb" and a.reference_vs == "eager" for a in report.artifacts)
+    report = assert_verify_catches_differences(monkeypatch, out, reference=True)
+    assert all(a.reference == "hlo.pb" and a.reference_vs == "eager" for a in report.artifacts)
     assert not any(a.lint for a in report.artifacts)  # int32 indices, no f64, no custom call
     # A lint finding is a warning, and an error with --strict.
     manifest = json.loads((out / "manifest.json").read_text())
@@ -98,14 +107,14 @@ def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypa
     assert r.exit_code == 1 and "neuron lint: add_3 at model.py:1" in r.output
 
 
-def test_random_weights_without_a_model_folder(tiny_bundle, tmp_path):
+def test_random_weights_without_a_model_folder(tiny_bundle, tmp_path, monkeypatch):
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle.out, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["model"]["source"] = str(tmp_path / "gone")
     (bundle / "manifest.json").write_text(json.dumps(manifest))
-    report = verify(bundle)
-    assert report.weights == "random" and report.passed
+    report = assert_verify_catches_differences(monkeypatch, bundle)
+    assert report.weights == "random"
 
 
 def test_lint_names_the_node_and_its_source_line():
@@ -166,3 +175,66 @@ def test_entry_bucket_and_context_choose_what_verify_and_inspect_show(tiny_dir, 
         for command in ("verify", "inspect"):
             r = CliRunner().invoke(app, [command, str(out), *args])
             assert r.exit_code == 2 and said in " ".join(r.output.split()), (command, r.output)
+
+
+def _problems(report):
+    return {(a.entry, a.bucket, a.context): a.problems for a in report.artifacts if not a.passed}
+
+
+def test_an_artifact_whose_output_differs_fails_naming_it(tiny_bundle, other_eps_export, tmp_path):
+    """One graph replaced by the other model's (same signature, rms_norm_eps 0.5), hashes
+    fixed: the head's output differs; a decoder layer's output and cache writes both do."""
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle)
+    for entry, b, c in [("LMHead.forward", 2, None), ("LlamaDecoderLayer.decode", 4, 256)]:
+        shutil.copy(other_eps_export / artifact_dir(entry, b, c) / "program.pt2", bundle / artifact_dir(entry, b, c) / "program.pt2")
+    rehash(bundle)
+    failed = _problems(verify(bundle))
+    assert set(failed) == {("LMHead.forward", 2, None), ("LlamaDecoderLayer.decode", 4, 256)}
+    head, layer = failed["LMHead.forward", 2, None], failed["LlamaDecoderLayer.decode", 4, 256]
+    assert len(head) == 1 and "program.pt2 output 0 differs by up to" in head[0], head
+    assert any("output 0 differs by up to" in p for p in layer) and any("wrote cache 5 differently from eager where eager wrote" in p for p in layer), layer
+    r = CliRunner().invoke(app, ["verify", str(bundle)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "LMHead.forward bucket 2: program.pt2 output 0 differs" in " ".join(r.output.split()), r.output
+
+
+def test_cache_writes_that_differ_fail_with_their_own_message(tiny_bundle, monkeypatch):
+    """Prefill steps whose outputs are the graph's but whose cache writes are not."""
+    from aotc.runtime import verify as verify_mod
+
+    load = verify_mod.Bundle.load
+
+    def loading(*a, **k):
+        bundle = load(*a, **k)
+        cache = perturbing("cache")
+        wrap_programs(bundle, lambda key, run: cache(key, run) if key[0] == "LlamaDecoderLayer.prefill" else run)
+        return bundle
+
+    monkeypatch.setattr(verify_mod.Bundle, "load", loading)
+    failed = _problems(verify(tiny_bundle.out))
+    assert set(failed) == {("LlamaDecoderLayer.prefill", 16, None), ("LlamaDecoderLayer.prefill", 64, None)}
+    for problems in failed.values():
+        assert problems == [f"program.pt2 wrote cache {i} differently from eager where eager wrote" for i in (5, 6)], problems  # the method's k_cache and v_cache
+
+
+def test_two_context_buckets_are_each_verified_within_their_positions(context_bundle, monkeypatch):
+    """Each context bucket's graph runs at positions it holds (a position past 64 would
+    make the dispatcher refuse the c64 graph), and each is compared: the c64 programs
+    changed, only the c64 artifacts fail."""
+    from aotc.runtime import verify as verify_mod
+
+    report = verify(context_bundle, entry_id="LlamaDecoderLayer.decode")
+    assert report.passed, _problems(report)
+    assert sorted((a.bucket, a.context) for a in report.artifacts) == [(1, 64), (1, 256), (2, 64), (2, 256)]
+    load = verify_mod.Bundle.load
+
+    def loading(*a, **k):
+        bundle = load(*a, **k)
+        out = perturbing("output")
+        wrap_programs(bundle, lambda key, run: out(key, run) if key[2] == 64 else run)
+        return bundle
+
+    monkeypatch.setattr(verify_mod.Bundle, "load", loading)
+    failed = _problems(verify(context_bundle, entry_id="LlamaDecoderLayer.decode"))
+    assert set(failed) == {("LlamaDecoderLayer.decode", 1, 64), ("LlamaDecoderLayer.decode", 2, 64)}
+    assert all(any("output 0 differs by up to" in p for p in ps) for ps in failed.values())

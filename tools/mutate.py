@@ -36,10 +36,17 @@ TARGETS = {
     "aotc/runtime/dispatch.py": ["tests/test_runtime.py"],
     "aotc/passes/reslice_cache_views.py": ["tests/passes/test_reslice_cache_views.py", "tests/test_trace.py"],
     "aotc/cache/local.py": ["tests/test_cache.py", "tests/test_safety.py"],
-    "aotc/cache/keys.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
+    "aotc/cache/keys.py": ["tests/test_keys.py", "tests/test_cache.py", "tests/test_readme_claims.py"],
     "aotc/cache/recipes.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
     "aotc/cache/remote.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
     "aotc/fp8.py": ["tests/test_fp8.py", "tests/test_neuron.py"],
+    "aotc/runtime/verify.py": ["tests/test_verify.py"],
+    "aotc/runtime/threads.py": ["tests/test_threads.py"],
+    "aotc/chat.py": ["tests/test_chat.py", "tests/test_real_folders.py", "-k", "chat"],
+    "aotc/passes/rewrite_skinny_linears.py": ["tests/passes/test_rewrite_skinny_linears.py"],
+    "aotc/backends/export_archive.py": ["tests/test_export_archive.py", "tests/test_safety.py"],
+    "aotc/kvcache.py": ["tests/test_kvcache.py"],
+    "aotc/passes/split_dtype_regions.py": ["tests/test_kvcache.py"],
 }
 
 # cosmic-ray replaces each binary and comparison operator with every other one

@@ -148,3 +148,24 @@ def test_views_that_are_not_contiguous_compile_to_the_same_numbers():
     assert RewriteSkinnyMatmuls()(gm).changes == 3
     with torch.no_grad():
         torch.testing.assert_close(torch._inductor.compile(gm, list(args))(*args), SinkAttention()(*args))
+
+
+class LinearOfALaterRow(nn.Module):
+    """A linear on rows that start inside their storage: h[1:] (a contiguous view, offset K)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = x * 2
+        return self.proj(h[1:])
+
+
+def test_rows_of_a_view_inside_its_storage_are_read_from_its_own_offset():
+    module, x = LinearOfALaterRow(), torch.randn(3, 32)
+    gm = torch.export.export(module, (x,), strict=False).module()
+    assert RewriteSkinnyLinears()(gm).changes == 1
+    strided = [n for n in gm.graph.nodes if n.target is aten.as_strided.default]
+    assert len(strided) == 1 and strided[0].args[3] == 32  # the view's storage offset, one row in
+    torch.testing.assert_close(gm(x), module(x))
