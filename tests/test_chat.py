@@ -71,3 +71,10 @@ def test_a_template_that_is_not_text_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"no chat_template"):
         render_user_turn(folder(tmp_path / "empty"), "hi")
+
+
+def test_each_template_is_compiled_once(tmp_path):
+    """A batch of --chat prompts renders one template: Jinja compiles it once."""
+    from aotc.chat import _compiled
+
+    assert _compiled(TURN) is _compiled(TURN) and _compiled(TURN) is not _compiled(TURN + " ")

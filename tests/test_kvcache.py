@@ -41,6 +41,16 @@ def test_groups_quantize_to_a_power_of_two_scale_within_the_maximum(fp8_max):
     assert ((back - x).abs() <= groups * 2**-4).all()  # 3 mantissa bits, relative to the group's largest
 
 
+def test_a_group_at_the_maximum_times_a_power_of_two_keeps_that_scale():
+    """trn2's cache maximum is 224 (E4M3_CACHE_MAX: trn2 reads the bytes as IEEE e4m3,
+    whose largest value is 240, and 224 is the largest e4m3fn value below it): a group
+    whose largest magnitude is 224 x 2^k is stored at scale 2^k, the 224 as it is."""
+    assert E4M3_CACHE_MAX == 224.0 and torch.tensor(240.0).to(torch.float8_e4m3fn).float() == 240.0
+    x = torch.tensor([[224.0 * 2**-3, -1.0, 0.5], [224.0 * 2**5, 3.0, 0.0]])
+    values, scale = quantize_groups(x, 4, E4M3_CACHE_MAX)
+    assert scale.flatten().tolist() == [2**-3, 2**5] and values[:, 0].float().tolist() == [224.0, 224.0]
+
+
 def test_packed_rows_write_and_read_through_region_views():
     rows = Fp8Rows(48, 64, 16, 448.0)
     layout = rows.layout

@@ -143,7 +143,9 @@ def test_counter_skew_never_gives_more_threads_than_cpus(cpus):
 
 
 def test_a_step_within_the_same_instant_keeps_the_count(cpus):
-    """With interval 0 and a clock that has not moved, no time has passed to measure."""
+    """With interval 0 and a clock that has not moved, no time has passed to measure: no
+    other process is counted (with more torch threads than CPUs, still the CPUs)."""
+    torch.set_num_threads(6)
     m = Machine()
     gov = ThreadGovernor(counters=m.counters, elsewhere=lambda: 0, clock=lambda: m.t, interval=0)
     assert gov.step() == 4 and gov.step() == 4
@@ -157,6 +159,18 @@ def test_an_unknown_cpu_count_is_one_cpu(monkeypatch):
         assert ThreadGovernor(counters=lambda: None, elsewhere=lambda: 0).threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_counters_read_busy_ticks_as_seconds(monkeypatch):
+    """/proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest ...):
+    busy is all but idle and iowait, in clock ticks; this process's time is os.times'."""
+    import io
+
+    line = "cpu  1000 200 300 40000 5000 60 70 80 900 1\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    monkeypatch.setattr(threads_mod, "open", lambda path: io.StringIO(line) if path == "/proc/stat" else None, raising=False)
+    monkeypatch.setattr(threads_mod.os, "sysconf", lambda name: 100 if name == "SC_CLK_TCK" else os.sysconf(name))
+    monkeypatch.setattr(threads_mod.os, "times", lambda: os.times_result((1.5, 0.25, 0, 0, 0)))
+    assert cpu_counters() == (pytest.approx((1000 + 200 + 300 + 60 + 70 + 80) / 100), 1.75)
 
 
 def test_cpu_counters_is_none_without_proc_stat(monkeypatch):

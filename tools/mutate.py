@@ -33,10 +33,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # first listed run first, and `pytest -x` stops at the first failure, so most
 # mutants die within seconds; a survivor costs a whole run of its selection.
 TARGETS = {
-    "aotc/runtime/dispatch.py": ["tests/test_runtime.py"],
+    "aotc/runtime/dispatch.py": ["tests/test_runtime.py", "tests/test_kvcache.py::test_a_packed_cache_given_whole_to_a_split_graph_is_an_error"],
     "aotc/passes/reslice_cache_views.py": ["tests/passes/test_reslice_cache_views.py", "tests/test_trace.py"],
     "aotc/cache/local.py": ["tests/test_cache.py", "tests/test_safety.py"],
-    "aotc/cache/keys.py": ["tests/test_keys.py", "tests/test_cache.py", "tests/test_readme_claims.py"],
+    "aotc/cache/keys.py": [
+        "tests/test_keys.py",
+        "tests/test_cache.py::test_weights_and_paths_do_not_change_keys",
+        "tests/test_cache.py::test_shapes_buckets_flags_and_versions_change_keys",
+        "tests/test_cache.py::test_source_digest_follows_every_python_file_and_nothing_else",
+        "tests/test_cache.py::test_a_config_with_its_fields_in_another_order_is_the_same_recipe",
+        "tests/test_cache.py::test_each_build_keeps_its_own_recipe",
+        "tests/test_readme_claims.py::test_cpu_target_is_in_the_cache_key",
+        "tests/test_readme_claims.py::test_recipe_is_invalidated_when_a_source_changes",
+    ],
     "aotc/cache/recipes.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
     "aotc/cache/remote.py": ["tests/test_cache.py", "tests/test_readme_claims.py"],
     "aotc/fp8.py": ["tests/test_fp8.py", "tests/test_neuron.py"],
@@ -44,7 +53,12 @@ TARGETS = {
     "aotc/runtime/threads.py": ["tests/test_threads.py"],
     "aotc/chat.py": ["tests/test_chat.py", "tests/test_real_folders.py", "-k", "chat"],
     "aotc/passes/rewrite_skinny_linears.py": ["tests/passes/test_rewrite_skinny_linears.py"],
-    "aotc/backends/export_archive.py": ["tests/test_export_archive.py", "tests/test_safety.py"],
+    "aotc/backends/export_archive.py": [
+        "tests/test_export_archive.py",
+        "tests/test_safety.py::test_export_program_that_calls_python_or_unpickles_is_refused_and_never_runs",
+        "tests/test_safety.py::test_swapped_artifacts_are_refused_before_they_run",
+        "tests/test_safety.py::test_loading_reads_nothing_outside_the_bundle",
+    ],
     "aotc/kvcache.py": ["tests/test_kvcache.py"],
     "aotc/passes/split_dtype_regions.py": ["tests/test_kvcache.py"],
 }
@@ -68,6 +82,38 @@ SWAP = re.compile(r"core/(ReplaceBinaryOperator|ReplaceComparisonOperator)_(\w+?
 def kept(operator: str) -> bool:
     m = SWAP.match(operator)
     return m is None or (m[2], m[3]) in KEPT_SWAPS[m[1]]
+
+
+INERT = "in an annotation that is never evaluated"
+# Decorators that leave a function's annotations unread (typer, msgspec and dataclasses read them).
+PLAIN_DECORATORS = {"staticmethod", "classmethod", "property", "cache", "lru_cache", "cached_property", "contextmanager"}
+
+
+def unevaluated_annotations(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions, as cosmic-ray's (line, column), of the parameter and return
+    annotations of functions that nothing reads them of, in a module whose annotations are
+    strings (`from __future__ import annotations`): no mutant there can change behaviour.
+    Class-level annotations are left out: msgspec and dataclasses read those."""
+    import ast
+
+    module = ast.parse(path.read_text())
+    postponed = any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names) for n in module.body)
+    if not postponed:
+        return []
+
+    def plain(fn) -> bool:
+        names = {d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None) for d in (x.func if isinstance(x, ast.Call) else x for x in fn.decorator_list)}
+        return names <= PLAIN_DECORATORS
+
+    spans = []
+    for fn in ast.walk(module):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and plain(fn):
+            args = fn.args
+            annotations = [a.annotation for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a is not None and a.annotation is not None]
+            for node in [*annotations, fn.returns]:
+                if node is not None:
+                    spans.append(((node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)))
+    return spans
 
 
 def copy_tree(dst: Path) -> None:
@@ -112,9 +158,16 @@ def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: 
         where = lambda job: (specs[job].start_pos, specs[job].end_pos, specs[job].operator_name, specs[job].occurrence)  # noqa: E731
         candidates = sorted((job for job, op in jobs if kept(op)), key=where)
         chosen = set(random.Random(seed).sample(candidates, sample)) if sample and sample < len(candidates) else set(candidates)
-        # What is not chosen is recorded as skipped, as cosmic-ray's own filters do.
+        # What is not chosen is recorded as skipped, as cosmic-ray's own filters do. So is a
+        # chosen mutant inside an annotation that is never evaluated (it cannot change
+        # behaviour, so no test could catch it): left out of the score, after sampling, so
+        # that a seed still picks the same mutants.
+        spans = unevaluated_annotations(tree / target)
+        inert = {job for job in chosen if any(a <= specs[job].start_pos and specs[job].end_pos <= b for a, b in spans)}
         work.set_multiple_results([job for job, _ in jobs if job not in chosen], WorkResult(WorkerOutcome.SKIPPED, output="not chosen"))
-    print(f"{target}: {len(chosen)} mutants of {total} ({len(candidates)} after one swap per operator); tests take {baseline_s:.0f} s unmutated", flush=True)
+        work.set_multiple_results(sorted(inert), WorkResult(WorkerOutcome.SKIPPED, output=INERT))
+    note = f", {len(inert)} in annotations never evaluated, not run" if inert else ""
+    print(f"{target}: {len(chosen)} mutants of {total} ({len(candidates)} after one swap per operator{note}); tests take {baseline_s:.0f} s unmutated", flush=True)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([str(exe), "exec", str(config), str(db)], cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         while proc.poll() is None:
@@ -134,6 +187,7 @@ def summarize(target: str, db: Path, total: int, candidates: int, seconds: float
 
     with use_db(str(db), WorkDB.Mode.open) as work:
         rows = [(item.mutations[0], result) for item, result in work.completed_work_items if result.worker_outcome != WorkerOutcome.SKIPPED]
+        inert = [item.mutations[0] for item, result in work.completed_work_items if result.worker_outcome == WorkerOutcome.SKIPPED and result.output == INERT]
     timeouts = [m for m, r in rows if r.worker_outcome == WorkerOutcome.ABNORMAL]  # the tests hung on the mutant: caught
     killed = [m for m, r in rows if r.test_outcome == TestOutcome.KILLED and r.worker_outcome != WorkerOutcome.ABNORMAL]
     incompetent = [m for m, r in rows if r.test_outcome == TestOutcome.INCOMPETENT]  # the mutant does not even import
@@ -149,6 +203,7 @@ def summarize(target: str, db: Path, total: int, candidates: int, seconds: float
         "incompetent": len(incompetent),
         "survived": len(survivors),
         "score": round((len(killed) + len(timeouts)) / tested, 3) if tested else None,
+        "inert": [{"line": m.start_pos[0], "operator": m.operator_name} for m in inert],  # in annotations: not run, not scored
         "seconds": round(seconds),
         "survivors": [{"line": m.start_pos[0], "operator": m.operator_name, "diff": r.diff} for m, r in survivors],
     }

@@ -126,6 +126,23 @@ def test_other_matmuls_are_left_alone(rep):
     assert RewriteSkinnyMatmuls()(gm).changes == 0 and ops(gm).count(aten.matmul.default) == 2
 
 
+class Matmul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+@pytest.mark.parametrize("shape_a, shape_b, changes", [((2, 3, 16), (2, 16, 40), 1), ((1, 2, 3, 16), (1, 2, 16, 40), 1), ((3, 16), (16, 40), 0)], ids=["rank3", "rank4", "rank2"])
+def test_matmuls_of_rank_three_and_more_are_rewritten_and_plain_ones_left(shape_a, shape_b, changes):
+    """A batched matmul of 3 rows per batch is rewritten at rank 3 as at rank 4; a plain
+    [M, K] @ [K, N] is a linear layer's business (RewriteSkinnyLinears), left alone."""
+    from aotc.passes.rewrite_skinny_linears import RewriteSkinnyMatmuls
+
+    a, b = torch.randn(*shape_a), torch.randn(*shape_b)
+    gm = torch.export.export(Matmul(), (a, b), strict=False).module()
+    assert RewriteSkinnyMatmuls()(gm).changes == changes
+    torch.testing.assert_close(gm(a, b), a @ b)
+
+
 class SinkAttention(nn.Module):
     """DeepSeek V4's attention: a softmax with a sink column, sliced off; and its
     hyper-connection mix, a transposed intermediate times the streams."""
