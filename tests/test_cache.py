@@ -216,6 +216,7 @@ def test_put_clears_what_a_killed_compile_of_the_key_left_and_checks_what_it_pub
     import hashlib
 
     cache, key = LocalCache(tmp_path / "cache"), "ab" * 32
+    cache.claim()  # a cache aotc made, which a killed compile left things in
     stale, other = cache.root / "tmp" / f"{key[:16]}-dead", cache.root / "tmp" / ("cd" * 8 + "-alive")
     for folder in (stale, other):
         folder.mkdir(parents=True)
@@ -349,8 +350,11 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
     for i in (1, 2):  # two runners, two caches, as the matrix has
         run("shard", tiny_dir, i, 2, cache=tmp_path / f"cache{i}")
     merged = tmp_path / "merged"
-    for i in (1, 2):  # what download-artifact with merge-multiple does
+    for i in (1, 2):  # what download-artifact with merge-multiple does with the uploaded paths
         shutil.copytree(tmp_path / f"cache{i}" / "entries", merged / "entries", dirs_exist_ok=True)
+        shutil.copy(tmp_path / f"cache{i}" / "CACHEDIR.TAG", merged / "CACHEDIR.TAG")
+    for path in ("- .aotc-cache/entries", "- .aotc-cache/CACHEDIR.TAG"):
+        assert path.removeprefix("- ") in workflow
     out = run("assemble", tiny_dir, tmp_path / "bundle", cache=merged).stdout
     assert "5 hits, 0 misses" in out and "every token matches eager" in out
     assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["graphs_traced"] == 5
@@ -384,6 +388,7 @@ def test_sizes_are_decimal_as_printed_and_binary_when_spelled_out():
 
 def test_prune_removes_what_killed_builds_left_and_counts_its_bytes(tmp_path):
     cache = LocalCache(tmp_path / "cache")
+    cache.claim()
     old, fresh = cache.root / "tmp" / "0123456789abcdef-old", cache.root / "tmp" / "0123456789abcdef-new"
     for folder in (old, fresh):
         folder.mkdir(parents=True)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from aotc.build import BuildOptions, build
@@ -117,6 +118,56 @@ def test_prune_never_follows_a_symlink_out_of_the_cache(model, tmp_path):
     assert (tree_digest(victim), tree_digest(tmp_path / "victim_tmp")) == before
     assert (tmp_path / "victim_tmp" / "x").is_dir()
     assert not list((cache / "entries").glob("[!a]*/*/record.json"))  # the real entries went
+
+
+def foreign_folder(root: Path) -> Path:
+    """A folder someone else made that looks like a cache: a home or a project with a tmp/
+    of hour-old work and an entries/ that holds a record.json."""
+    old = time.time() - 7200
+    (root / "tmp" / "draft").mkdir(parents=True)
+    (root / "tmp" / "draft" / "chapter.tex").write_text("keep")
+    (root / "entries" / "ab" / ("ab" + "0" * 62)).mkdir(parents=True)
+    (root / "entries" / "ab" / ("ab" + "0" * 62) / "record.json").write_text("{}")
+    (root / "notes.txt").write_text("keep")
+    for p in root.rglob("*"):
+        os.utime(p, (old, old))
+    return root
+
+
+def test_prune_refuses_a_folder_aotc_did_not_make_and_deletes_nothing(tmp_path):
+    folder = foreign_folder(tmp_path / "home")
+    before = tree_digest(folder)
+    r = invoke("cache", "prune", "--max-size", "0", "--cache-dir", folder)
+    assert r.exit_code == 2 and "is not a cache aotc made (no CACHEDIR.TAG of aotc's in it); nothing was removed" in " ".join(r.output.split()), r.output
+    assert tree_digest(folder) == before
+    # A tag that is not aotc's (another tool's, or a link to aotc's) does not make it aotc's.
+    (folder / "CACHEDIR.TAG").write_text("Signature: 8a477f597d28d172789f06886806bc55\n# another tool\n")
+    assert invoke("cache", "prune", "--max-size", "0", "--cache-dir", folder).exit_code == 2 and tree_digest(folder) != before
+    assert (folder / "tmp" / "draft" / "chapter.tex").is_file() and (folder / "entries" / "ab").is_dir()
+
+
+def test_a_build_writes_nothing_into_a_cache_dir_aotc_did_not_make(model, tmp_path):
+    folder = foreign_folder(tmp_path / "project")
+    before = tree_digest(folder)
+    result = build(BuildOptions(model, out=tmp_path / "b", cache_dir=folder, **OPTIONS))
+    assert any("is not a cache aotc made" in n and "building without it" in n for n in result.notes), result.notes
+    assert tree_digest(folder) == before and sorted(p.name for p in folder.iterdir()) == ["entries", "notes.txt", "tmp"]
+    with pytest.raises(AotcError, match=r"--require-cache and --shard need it"):
+        build(BuildOptions(model, out=tmp_path / "c", cache_dir=folder, require_cache=True, **OPTIONS))
+    # A new folder becomes aotc's: tagged, and pruned as a cache.
+    fresh = tmp_path / "fresh"
+    build(BuildOptions(model, out=tmp_path / "d", cache_dir=fresh, **OPTIONS))
+    assert (fresh / "CACHEDIR.TAG").read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55\n")
+    assert LocalCache(fresh).prune(0)[0] == 3 and not list((fresh / "entries").glob("*/*/record.json"))
+
+
+@pytest.mark.parametrize("where", ["model", "inside", "around"])
+def test_cache_dir_in_or_around_the_model_folder_is_refused(model, tmp_path, where):
+    cache = {"model": model, "inside": model / "cache", "around": model.parent}[where]
+    before = tree_digest(model)
+    r = invoke("build", model, "--backend", "export", "--buckets", "1", "--max-seq", "64", "--cache-dir", cache, "-o", tmp_path / "elsewhere" / "b")
+    assert r.exit_code == 2 and "the compile cache would write into the model folder" in " ".join(r.output.split()), r.output
+    assert tree_digest(model) == before and not (model / "cache").exists()
 
 
 def test_plugins_named_by_a_bundle_are_not_imported(tiny_bundle, tmp_path):
@@ -233,22 +284,6 @@ def test_warm_rebuild_still_checks_the_model_folder(model, tmp_path, damage):
     assert not (tmp_path / "b").exists()
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -256,38 +291,67 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _tagged(tag: str) -> dict[int, tuple[str, str]]:
+    """Live processes (pid: command name, command line) whose environment holds AOTC_TEST_RUN=tag: a
+    build and everything it started, whoever their parent is now."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"AOTC_TEST_RUN={tag}".encode() in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                cmdline = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[int(environ.parent.name)] = (environ.parent / "comm").read_text().strip(), cmdline
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+# A C++ compiler that takes 30 s per compile: the build is stopped while one runs, and a
+# compiler left behind is still running a second after the build exits, whatever this
+# machine's speed.
+SLOW_CXX = "#!/bin/sh\ncase \" $* \" in *\" -o \"*) sleep 30 ;; esac\nexec g++ \"$@\"\n"
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_killed_parallel_build_leaves_no_process_and_no_temporary_folder(model, tmp_path, how):
+# SIGINT takes SIGTERM's path (the CLI turns SIGTERM into KeyboardInterrupt): under slow.
+@pytest.mark.parametrize("how", [pytest.param("SIGINT", marks=pytest.mark.slow), "SIGTERM", "SIGKILL"])
+def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tmp_path, how):
+    """Stopped while its workers run the C++ compiler: one second after the build exits, nothing it
+    started runs (each worker leads a process group with its compilers, and kills it when
+    the build dies); no bundle; the next build to the same -o cleans what it left."""
     import signal
     import subprocess
     import sys
+    import uuid
 
     from aotc.backends.inductor import InductorBackend
 
     if InductorBackend().can_compile() is not None:
         pytest.skip("needs a C++ compiler for AOTInductor")
+    tag = uuid.uuid4().hex
+    cxx = tmp_path / "slow-cxx"
+    cxx.write_text(SLOW_CXX)
+    cxx.chmod(0o755)
     args = [sys.executable, "-m", "aotc.cli", "build", str(model), "--backend", "inductor", "--jobs", "2", "--buckets", "1,2",
             "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "cache"), "-o", str(tmp_path / "bundle")]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    workers: set[int] = set()
-    while time.time() < deadline and len(workers) < 2:  # both workers are compiling
-        time.sleep(0.2)
-        workers = {p for p in _descendants(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")} if proc.poll() is None else set()
-    assert len(workers) >= 2, "the build never started its workers"
-    tree = _descendants(proc.pid)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "AOTC_TEST_RUN": tag, "CXX": str(cxx)})
+    deadline, running = time.time() + 180, {}
+    while time.time() < deadline and proc.poll() is None:  # both workers started, a compiler running
+        running = _tagged(tag)
+        workers = [p for p, (_, cmdline) in running.items() if "spawn_main" in cmdline]
+        if len(workers) >= 2 and "slow-cxx" in {comm for comm, _ in running.values()}:
+            break
+        time.sleep(0.05)
+    assert "slow-cxx" in {comm for comm, _ in running.values()}, f"the build never ran a compiler in a worker: {running}"
     proc.send_signal(getattr(signal, how))
-    proc.wait(timeout=60)
-    deadline = time.time() + 30  # a C++ compile a worker started may finish first
-    while time.time() < deadline and any(_alive(p) for p in tree):
-        time.sleep(0.5)
-    assert not [p for p in tree if _alive(p)], "processes of the killed build are still running"
+    code = proc.wait(timeout=60)
+    assert code == {"SIGKILL": -9}.get(how, 130)
+    time.sleep(1)
+    assert _tagged(tag) == {}, f"still running one second after the build exited: {_tagged(tag)}"
     assert not (tmp_path / "bundle").exists()
     build(BuildOptions(model, out=tmp_path / "bundle", cache_dir=tmp_path / "cache", **OPTIONS))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".bundle")) == [".bundle.lock"]
     leftover = [p.name for p in (tmp_path / "cache" / "tmp").glob("*")] if (tmp_path / "cache" / "tmp").is_dir() else []
-    assert leftover == [] or how == "SIGKILL", leftover  # SIGTERM cleans up at once; SIGKILL's are pruned later
+    assert leftover == [] or how == "SIGKILL", leftover  # a stop cleans up at once; SIGKILL's are pruned later
 
 
 def test_cache_records_and_recipes_never_lead_outside(model, tmp_path):
@@ -318,16 +382,60 @@ def test_model_folder_may_be_a_symlink(model, tmp_path):
 
 
 def test_loading_reads_nothing_outside_the_bundle(tiny_bundle):
+    """Nothing but the bundle's files, each read once (into the checked copy), and that copy."""
     Bundle.load(tiny_bundle.out)  # imports done: what remains to read is the bundle
     seen: list[str] = []
     hook_on[0] = seen
     try:
-        Bundle.load(tiny_bundle.out)
+        bundle = Bundle.load(tiny_bundle.out)
     finally:
         hook_on[0] = None
-    root = tiny_bundle.out.resolve()
-    outside = [p for p in seen if not Path(p).resolve().is_relative_to(root)]
+    root, copy = tiny_bundle.out.resolve(), Path(bundle.checked.name).resolve()
+    outside = [p for p in seen if not Path(p).resolve().is_relative_to(root) and not Path(p).resolve().is_relative_to(copy)]
     assert seen and not outside, outside
+    in_bundle = [Path(p).resolve().relative_to(root).as_posix() for p in seen if Path(p).resolve().is_relative_to(root)]
+    files = [f"{a.dir}/{name}" for _, a in bundle.manifest.artifacts() for name in a.files]
+    assert sorted(in_bundle) == sorted(["manifest.json", *files])  # each once: what is loaded is the copy checked
+
+
+def test_an_artifact_swapped_after_its_check_is_never_loaded(tiny_bundle, tmp_path, monkeypatch):
+    """A program replaced in the bundle folder right after aotc hashed it (as a watcher of
+    the folder can): the program loaded is the one whose hash was checked."""
+    from aotc.backends.export import ExportBackend
+    from aotc.format import artifact_dir
+    from aotc.models.base import load_model
+
+    bundle_dir = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle_dir)
+    target = bundle_dir / artifact_dir("LMHead.forward", 1, None) / "program.pt2"
+
+    def other_eps(name, data):  # the same graph with the final norm's eps at 0.5
+        return data.replace(b'{"as_float": 1e-05}', b'{"as_float": 0.5}') if name.endswith("models/model.json") else data
+
+    signature = ExportBackend.signature
+    swapped = []
+
+    def swap_then_sign(self, art_dir):
+        if not swapped and Path(art_dir).as_posix().endswith("LMHead.forward/b1"):  # this one was just hashed
+            _rewrite_program(target, other_eps)
+            swapped.append(target.read_bytes())
+        return signature(self, art_dir)
+
+    monkeypatch.setattr(ExportBackend, "signature", swap_then_sign)
+    bundle = Bundle.load(bundle_dir)
+    assert swapped and b'"as_float": 0.5' in zipfile_member(target, "models/model.json")  # the folder holds the other program now
+    loaded = load_model(tiny_bundle.manifest.model.source)
+    h = torch.randn(1, 256)
+    want = loaded.model.head(h)
+    bundle.bind(loaded.model)
+    torch.testing.assert_close(loaded.model.head(h), want)  # eps 1e-5, as hashed
+
+
+def zipfile_member(path, suffix) -> bytes:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(suffix)))
 
 
 hook_on: list = [None]

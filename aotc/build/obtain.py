@@ -14,6 +14,7 @@ import io
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -65,28 +66,48 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
             built[k.id] = future.result()
             progress("done", id=k.entry_id, bucket=k.bucket, context=k.variant.context)
     except BaseException:
-        # Interrupted or failed: stop the compiles now rather than wait for them.
+        # Interrupted or failed: stop the compiles now rather than wait for them, each
+        # worker with its whole process group (the C++ compilers it started).
         pool.shutdown(wait=False, cancel_futures=True)
         for child in multiprocessing.active_children():
-            child.kill()
+            _kill_group(child)
+            child.join(timeout=5)  # dead, so that the locks it held are free
+        if cache is not None:  # the killed workers' half-written entries
+            cache.abandon([k.key for k in misses if k.id not in built])
         raise
     pool.shutdown()
     return built
 
 
-def _die_with_parent(parent: int) -> None:
-    """Worker initializer: a build killed even by SIGKILL takes its workers with it
-    (Linux: the kernel sends them SIGKILL when the parent dies)."""
-    import ctypes
-    import signal
+def _kill_group(child) -> None:
+    """SIGKILL to a worker's process group (itself and the compilers it runs), or to the
+    worker alone where it has not made its group yet."""
+    try:
+        if os.getpgid(child.pid) == child.pid:
+            os.killpg(child.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.kill()
 
+
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: a build stopped in any way, SIGKILL included, takes its workers
+    and their compilers with it. Each worker leads a process group of its own, which the
+    g++ and cc1plus it starts join, and asks the kernel (Linux: PR_SET_PDEATHSIG) for a
+    SIGTERM when the parent dies, on which it kills that group, itself included. A
+    SIGKILL would end the worker alone: its compilers would run on."""
+    import ctypes
+
+    os.setpgid(0, 0)  # also: a terminal's Ctrl-C reaches the build, which stops the groups
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.killpg(0, signal.SIGKILL))
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: workers end when the pool's pipe closes
         pass
     if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+        os.killpg(0, signal.SIGKILL)
 
 
 @dataclass

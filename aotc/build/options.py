@@ -104,6 +104,13 @@ class BuildOptions:
                 f"-o {self.out}: the bundle folder would replace the model folder {self.model_dir} or a folder "
                 "inside or around it; write the bundle elsewhere (default: artifacts/<model name>)"
             )
+        if self.use_cache and self.cache_dir is not None:
+            cache = Path(self.cache_dir).resolve()
+            if cache == model or cache.is_relative_to(model) or model.is_relative_to(cache):
+                raise AotcError(
+                    f"--cache-dir {self.cache_dir}: the compile cache would write into the model folder {self.model_dir} "
+                    "or a folder around it; aotc writes nothing there. Pass a folder outside it (default: ~/.cache/aotc)"
+                )
         if not self.use_cache and (self.require_cache or self.remote_cache or self.shard):
             raise AotcError("--no-cache cannot be combined with --require-cache, --remote-cache or --shard")
         if self.backend is None:  # resolved here, once

@@ -3,11 +3,18 @@
     <root>/entries/<key[:2]>/<key>/   the artifact's files + record.json
     <root>/tmp/                         compiles in progress (never served)
     <root>/locks/<key>.lock             one lock per key (filelock)
+    <root>/CACHEDIR.TAG                 what makes the folder aotc's (below)
 
 An entry is compiled in a temporary folder and renamed into place under the
 key's lock, so a reader sees a whole entry or none, two builds compile a key
 once, and a build killed mid-compile leaves only a temporary folder that
 nothing serves. Every file's sha256 is checked each time an entry is served.
+
+aotc writes, serves and deletes only in a cache folder it made: one that was
+new or empty when aotc wrote its CACHEDIR.TAG there (the Cache Directory
+Tagging Specification's file, which backup tools also read, with aotc's own
+line). A `--cache-dir` that holds anything else (a home folder, a project) is
+refused, so `aotc cache prune` can never delete what someone else made.
 """
 
 from __future__ import annotations
@@ -21,13 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from ..errors import AotcError
 from ..format import CompiledRecord, bad_file, decode, encode, write_atomic
 
 ENV = "AOTC_CACHE_DIR"
 RECORD = "record.json"  # an entry's CompiledRecord, written last
+TAG = "CACHEDIR.TAG"
+TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by aotc: this folder is its compile cache.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
 
 
 class CacheError(AotcError):
@@ -67,8 +80,34 @@ class LocalCache:
         if self.root.exists() and not self.root.is_dir():
             raise CacheError(f"--cache-dir {self.root}: is a file, not a cache folder; pass a folder (or leave --cache-dir out)")
 
+    def made_by_aotc(self) -> bool:
+        """The folder holds aotc's cache tag, as a file of its own (not a link to one)."""
+        tag = self.root / TAG
+        try:
+            return not tag.is_symlink() and tag.is_file() and tag.read_bytes() == TAG_TEXT.encode()
+        except OSError:
+            return False
+
+    def claim(self) -> None:
+        """Make the folder aotc's cache if it is new or empty; refuse one that holds anything
+        aotc did not put there."""
+        if self.made_by_aotc():
+            return
+        if self.root.is_dir() and any(self.root.iterdir()):
+            raise CacheError(
+                f"--cache-dir {self.root}: holds files, and is not a cache aotc made (no {TAG} of aotc's in it); "
+                "aotc writes and deletes only in a cache folder of its own. Pass a new or empty folder"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.root / TAG, TAG_TEXT.encode())
+
     def writable(self) -> str | None:
-        """None when builds can write here; else why not (a read-only folder, a full disk)."""
+        """None when builds can write here; else why not (a read-only folder, a full disk,
+        a folder that is not aotc's)."""
+        try:
+            self.claim()
+        except CacheError as e:
+            return str(e)
         try:
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root / "tmp"):
@@ -81,18 +120,19 @@ class LocalCache:
         return self.root / "entries" / key[:2] / key
 
     def lock(self, key: str) -> FileLock:
+        self.claim()
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.root / "locks" / f"{key}.lock"))
 
     def has(self, key: str) -> bool:
         """Whether an entry is published for `key` (unverified: get() checks the files)."""
-        return (self.path(key) / RECORD).is_file()
+        return self.made_by_aotc() and (self.path(key) / RECORD).is_file()
 
     def get(self, key: str) -> Entry | None:
         """The verified entry for `key`, or None. A corrupt entry is an error naming the file."""
         path = self.path(key)
         record_file = path / RECORD
-        if not record_file.is_file():
+        if not self.made_by_aotc() or not record_file.is_file():
             return None
         record = read_record(record_file.read_bytes(), str(record_file))
         bad = bad_file(path, record.files)
@@ -107,10 +147,10 @@ class LocalCache:
         The caller holds the key's lock. Only a complete, verified folder is
         renamed into place; if make returns None, nothing is published.
         """
+        self.claim()
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         # What a killed compile of this key left: the caller holds the key's lock, so no one else is writing it.
-        for stale in (self.root / "tmp").glob(f"{key[:16]}-*"):
-            self.remove(stale)
+        self._remove_stale(key)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self.root / "tmp"))
         try:
             record = make(tmp)
@@ -132,6 +172,22 @@ class LocalCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return Entry(key, dest, record)
+
+    def _remove_stale(self, key: str) -> None:
+        for stale in (self.root / "tmp").glob(f"{key[:16]}-*"):
+            self.remove(stale)
+
+    def abandon(self, keys) -> None:
+        """Remove what stopped compiles of `keys` left in tmp/, for each key whose lock no
+        one holds now (a key another build is compiling is left to it)."""
+        if not self.made_by_aotc():
+            return
+        for key in keys:
+            try:
+                with FileLock(str(self.root / "locks" / f"{key}.lock"), timeout=0):
+                    self._remove_stale(key)
+            except Timeout:
+                continue
 
     def owns(self, path: Path) -> bool:
         """`path` is inside the cache root, reached without following a symlink
@@ -158,6 +214,8 @@ class LocalCache:
 
     def entries(self) -> list[Entry]:
         out = []
+        if not self.made_by_aotc():
+            return out
         for record_file in sorted((self.root / "entries").glob("*/*/" + RECORD)):
             if not self.owns(record_file.parent):
                 continue
@@ -169,7 +227,15 @@ class LocalCache:
 
     def prune(self, max_size: int) -> tuple[int, int]:
         """Delete least recently used entries until the cache holds at most max_size
-        bytes, and leftover temporary folders. Returns (entries removed, bytes freed)."""
+        bytes, and leftover temporary folders. Returns (entries removed, bytes freed).
+        A folder aotc did not make is refused: nothing in it is aotc's to delete."""
+        if not self.made_by_aotc():
+            if not self.root.exists():
+                return 0, 0
+            raise CacheError(
+                f"--cache-dir {self.root}: is not a cache aotc made (no {TAG} of aotc's in it); nothing was removed. "
+                "Pass the folder aotc builds use (default: ~/.cache/aotc, or $AOTC_CACHE_DIR)"
+            )
         removed = freed = 0
         tmp_root = self.root / "tmp"
         for tmp in tmp_root.glob("*") if self.owns(tmp_root) and tmp_root.is_dir() else []:

@@ -21,6 +21,7 @@ def recipe_file(cache: LocalCache, recipe: str) -> Path:
 
 
 def save_recipe(cache: LocalCache, recipe: str, manifest: Manifest) -> None:
+    cache.claim()
     file = recipe_file(cache, recipe)
     file.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(file, encode(manifest))
@@ -29,7 +30,7 @@ def save_recipe(cache: LocalCache, recipe: str, manifest: Manifest) -> None:
 def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Entry]] | None:
     """The recipe's manifest and every artifact's cache entry; None unless all are there."""
     file = recipe_file(cache, recipe)
-    if not file.is_file():
+    if not cache.made_by_aotc() or not file.is_file():
         return None
     # A corrupt recipe raises CacheError: the build reports it as a miss and goes the normal way.
     manifest = parse_manifest(file.read_bytes(), str(file), CacheError)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ class Bundle:
     programs: dict[tuple[str, int, int | None], Program]  # (entry id, bucket, context bucket) -> loaded artifact
     load_s: float
     backend: Backend | None = None  # the load half that made the programs (None: none loaded)
+    checked: tempfile.TemporaryDirectory | None = None  # the artifacts' checked copies, removed with the bundle
 
     @classmethod
     def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None, load_artifacts: bool = True) -> "Bundle":
@@ -72,20 +75,29 @@ class Bundle:
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
             )
         programs, backend = {}, None
+        # The bytes loaded are the bytes checked: every artifact is copied into a folder of
+        # this process's own (0700), and the copy is hashed, read and loaded. The loaders
+        # take paths, so a file swapped in the bundle right after its check would load.
+        checked = tempfile.TemporaryDirectory(prefix="aotc-bundle-")
         if load_artifacts:
             backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
             why = backend.incompatible(manifest)
             if why:
                 raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
         for entry, art in manifest.artifacts():
-            art_dir = path / art.dir
+            art_dir = _copy_files(path / art.dir, art.files, Path(checked.name) / art.dir)
             bad = bad_file(art_dir, art.files)
             if bad:
-                raise BundleError(f"{bad[0]}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+                raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
             if load_artifacts:
                 _check_signature(path, entry, art, backend.signature(art_dir))
                 programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
-        return cls(path, manifest, programs, time.perf_counter() - t0, backend)
+        return cls(path, manifest, programs, time.perf_counter() - t0, backend, checked)
+
+    def checked_dir(self, art) -> Path:
+        """Where the checked copy of an artifact's files is: what readers of its files
+        (a backend's reference runner) read, never the bundle folder itself."""
+        return Path(self.checked.name) / art.dir
 
     @property
     def device(self) -> str:
@@ -188,6 +200,17 @@ class DeviceAllocator:
             else:
                 caches[kind] = DeviceCaches(self.device, shape, dtype)
         return caches
+
+
+def _copy_files(src: Path, files: dict[str, str], dst: Path) -> Path:
+    """The named files of an artifact folder, copied into dst (a link or anything but a
+    plain file is left out: the check then finds it missing)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        source = src / name
+        if source.is_file() and not source.is_symlink():
+            shutil.copyfile(source, dst / name)
+    return dst
 
 
 def _check_signature(bundle: Path, entry, art, found) -> None:
