@@ -45,7 +45,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -481,6 +483,8 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         )
     manifest = decode(data, Manifest, source, error)
     kind = _artifact_kind(manifest, source, error)
+    bad = _refusal(source, error)
+    _check_shapes(manifest, bad)
     for i, entry in enumerate(manifest.entries):
         for j, w in enumerate(entry.weights):
             if (w.transform is None) != (not w.sources):
@@ -510,7 +514,112 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and shapes.context is {manifest.shapes.context}", " at each context bucket"
         if have != want:
             raise error(f"{source}: entries[{i}].artifacts: {what} {have}, but {shapes}: every bucket needs one artifact{per}. Rebuild the bundle")
+    _check_entries(manifest, bad)
     return manifest
+
+
+ENTRY_ID = re.compile(r"(?P<cls>[A-Za-z_]\w*)\.(?P<method>[A-Za-z_]\w*)(\.v\d+)?")
+MODULE_PATH = re.compile(r"(\w+(\.\w+)*)?")  # "" is the model itself
+
+
+def _refusal(source: str, error: type[Exception]):
+    def bad(where: str, what: str):
+        raise error(f"{source}: {where}: {what}; aotc never writes this. Rebuild the bundle (aotc build)")
+
+    return bad
+
+
+# Fields checked against each other (and against what the artifacts record of their
+# inputs): what the types allow in a manifest or build recipe but no build writes.
+
+
+def _check_shapes(m: Manifest, bad) -> None:
+    s = m.shapes
+    for name in ("batch", "chunk", "context"):
+        values = getattr(s, name)
+        if not values or values != sorted(set(values)) or values[0] < 1:
+            bad(f"shapes.{name}", f"{values} is not a strictly increasing list of positive integers")
+    if s.max_seq < 1 or s.context[-1] != s.max_seq:
+        bad("shapes.context", f"{s.context} must end at max_seq ({s.max_seq}): the last context bucket reads the whole cache")
+    if s.cache_slots != max(s.batch) + 1:
+        bad("shapes.cache_slots", f"{s.cache_slots}, but the largest batch bucket is {max(s.batch)}: one slot per row plus the scratch slot is {max(s.batch) + 1}")
+    kv = m.model.kv_cache
+    if not (math.isfinite(kv.fp8_max) and kv.fp8_max > 0):
+        bad("model.kv_cache.fp8_max", f"{kv.fp8_max} is not a positive number")
+    for kind, cache in m.caches.items():
+        where = f"caches.{kind}"
+        if not _is_dtype(cache.dtype):
+            bad(f"{where}.dtype", f"{cache.dtype!r} is not a torch dtype")
+        if len(cache.shape) < 3 or cache.shape[1] != s.cache_slots or min(cache.shape) < 1:
+            bad(f"{where}.shape", f"{cache.shape} is not [layers, cache_slots ({s.cache_slots}), ...]")
+        _check_regions([(r.start, r.end, r.dtype) for r in cache.regions], cache.shape[-1] if cache.regions else None, f"{where}.regions", bad)
+
+
+def _check_entries(m: Manifest, bad) -> None:
+    s = m.shapes
+    ids = [e.id for e in m.entries]
+    for i, entry in enumerate(m.entries):
+        where = f"entries[{i}]"
+        match = ENTRY_ID.fullmatch(entry.id)
+        if ids.count(entry.id) > 1:
+            bad(f"{where}.id", f"{entry.id!r} names two entries")
+        if not match or match["method"] != entry.method or match["cls"] != entry.cls:
+            bad(f"{where}.id", f"{entry.id!r} is not the class's name, its method and a variant number (<cls>.<method>[.vN]) of cls {entry.cls!r} and method {entry.method!r}")
+        for path in entry.instances:
+            if not MODULE_PATH.fullmatch(path):
+                bad(f"{where}.instances", f"{path!r} is not a module path")
+        for j, art in enumerate(entry.artifacts):
+            at = f"{where}.artifacts[{j}]"
+            if not any(spec.kind == "activation" for spec in art.inputs):
+                bad(f"{at}.inputs", "no activation input: every entry method takes one")
+            spans: dict[str, list[tuple[int, int, str]]] = {}
+            for k, spec in enumerate([*art.inputs, *art.outputs]):
+                part = f"{at}.inputs[{k}]" if k < len(art.inputs) else f"{at}.outputs[{k - len(art.inputs)}]"
+                if not _is_dtype(spec.dtype):
+                    bad(f"{part}.dtype", f"{spec.dtype!r} is not a torch dtype")
+                if k >= len(art.inputs) or spec.kind == "activation":
+                    if not spec.shape or spec.shape[0] != art.bucket:
+                        bad(f"{part}.shape", f"{spec.shape}: dim 0 of an activation or output is the bucket, {art.bucket}")
+                elif spec.kind == "cache":
+                    if not spec.shape or spec.shape[0] != s.cache_slots:
+                        bad(f"{part}.shape", f"{spec.shape}: dim 0 of a cache is cache_slots, {s.cache_slots}")
+                else:
+                    bad(f"{part}.kind", f"{spec.kind!r}: an artifact's inputs are caches and activations (weights are the entry's)")
+                if spec.region is not None:
+                    if spec.kind != "cache":
+                        bad(f"{part}.region", "only a cache input is a region of a packed cache")
+                    width = (spec.region.end - spec.region.start) // max(1, _itemsize(spec.dtype))
+                    if spec.shape[-1] != width:
+                        bad(f"{part}.region", f"bytes {spec.region.start}:{spec.region.end} hold {width} {spec.dtype} values, but its shape {spec.shape} ends in {spec.shape[-1]}")
+                    spans.setdefault(spec.region.of, []).append((spec.region.start, spec.region.end, spec.dtype))
+            for of, regions in spans.items():
+                _check_regions(regions, None, f"{at}.inputs (the regions of {of!r})", bad)
+
+
+def _check_regions(regions: list[tuple[int, int, str]], row: int | None, where: str, bad) -> None:
+    """Byte ranges of one packed row: each a known dtype's whole values, none overlapping,
+    within the row (`row` bytes, where known)."""
+    end = 0
+    for start, stop, dtype in sorted(regions):
+        if not _is_dtype(dtype):
+            bad(where, f"region dtype {dtype!r} is not a torch dtype")
+        if start < end or stop <= start or (stop - start) % _itemsize(dtype):
+            bad(where, f"bytes {start}:{stop} ({dtype}) overlap another region, are empty, or hold a part of a {dtype} value")
+        if row is not None and stop > row:
+            bad(where, f"bytes {start}:{stop} run past the row's {row} bytes")
+        end = stop
+
+
+def _is_dtype(name: str) -> bool:
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _itemsize(name: str) -> int:
+    import torch
+
+    return getattr(torch, name).itemsize
 
 
 def _artifact_kind(manifest: Manifest, source: str, error: type[Exception]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -218,3 +219,68 @@ def test_the_bundle_folder_itself_may_be_a_symlink(tiny_bundle, tmp_path):
     (tmp_path / "latest").symlink_to(tiny_bundle.out)
     b = Bundle.load(tmp_path / "latest")
     assert len(b.programs) == sum(len(e.artifacts) for e in b.manifest.entries)
+
+
+def _entry(m, eid="LlamaDecoderLayer.decode"):
+    return next(e for e in m["entries"] if e["id"] == eid)
+
+
+def _input(m, name, eid="LlamaDecoderLayer.decode"):
+    return next(i for i in _entry(m, eid)["artifacts"][0]["inputs"] if i["name"] == name)
+
+
+# What the types allow but no build writes: each refused by the field it names.
+CROSS_CHECKS = {
+    "batch buckets unsorted": (lambda m: m["shapes"].update(batch=[2, 1]), "shapes.batch: [2, 1] is not a strictly increasing list"),
+    "context buckets duplicated": (lambda m: m["shapes"].update(context=[256, 256]), "shapes.context: [256, 256] is not a strictly increasing list"),
+    "a context bucket above max_seq": (lambda m: m["shapes"].update(context=[300]), "shapes.context: [300] must end at max_seq (256)"),
+    "cache_slots 0": (lambda m: m["shapes"].update(cache_slots=0), "shapes.cache_slots: 0, but the largest batch bucket is 4"),
+    "fp8_max 0": (lambda m: m["model"]["kv_cache"].update(fp8_max=0), "model.kv_cache.fp8_max: 0"),
+    "fp8_max negative": (lambda m: m["model"]["kv_cache"].update(fp8_max=-448.0), "model.kv_cache.fp8_max: -448.0"),
+    "a cache of no dtype": (lambda m: m["caches"]["k"].update(dtype="float9"), "caches.k.dtype: 'float9' is not a torch dtype"),
+    "cache regions overlapping": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 40}, {"name": "scale", "dtype": "float32", "start": 36, "end": 44}]), "caches.k.regions: bytes 36:44 (float32) overlap"),
+    "a cache region past the row": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 200}]), "caches.k.regions: bytes 0:200 run past the row's 64 bytes"),
+    "a cache region of no dtype": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "float9", "start": 0, "end": 8}]), "region dtype 'float9' is not a torch dtype"),
+    "a duplicated entry": (lambda m: m["entries"].append(copy.deepcopy(m["entries"][0])), "'LlamaDecoderLayer.decode' names two entries"),
+    "an entry cls of os.system": (lambda m: _entry(m).update(cls="os.system"), "is not the class's name, its method and a variant number"),
+    "an entry id of ../../x": (lambda m: _entry(m).update(id="../../x"), "'../../x' is not the class's name"),
+    "an instance outside the model": (lambda m: _entry(m).update(instances=["model.layers.0", "../x"]), "instances: '../x' is not a module path"),
+    "a weight among an artifact's inputs": (lambda m: _input(m, "x").update(kind="weight"), "kind: 'weight': an artifact's inputs are caches and activations"),
+    "an input of no dtype": (lambda m: _input(m, "positions").update(dtype="int65"), "dtype: 'int65' is not a torch dtype"),
+    "a cache of other slots": (lambda m: _input(m, "k_cache").update(shape=[4, 2, 256, 64]), "dim 0 of a cache is cache_slots, 5"),
+    "an output of other rows": (lambda m: _entry(m)["artifacts"][0]["outputs"][0].update(shape=[2, 256]), "dim 0 of an activation or output is the bucket, 1"),
+    "an activation of other rows": (lambda m: _input(m, "x").update(shape=[3, 256]), "dim 0 of an activation or output is the bucket, 1"),
+    "a region of an activation": (lambda m: _input(m, "x").update(region={"of": "x", "start": 0, "end": 1024}), "only a cache input is a region of a packed cache"),
+    "a region of other width": (lambda m: _input(m, "k_cache").update(region={"of": "k_cache", "start": 0, "end": 8}), "bytes 0:8 hold 2 float32 values, but its shape"),
+    "no activation": (lambda m: [i.update(kind="cache", shape=[5, *i["shape"][1:]]) for i in _entry(m)["artifacts"][0]["inputs"]], "no activation input"),
+}
+
+
+@pytest.mark.parametrize("case", list(CROSS_CHECKS))
+def test_fields_are_checked_against_each_other(bundle_copy, case):
+    bundle, original = bundle_copy
+    edit, said = CROSS_CHECKS[case]
+    manifest = copy.deepcopy(original)
+    edit(manifest)
+    _write(bundle, manifest)
+    try:
+        with pytest.raises(BundleError, match=re.escape(said)) as err:
+            read_manifest(bundle)
+        assert MANIFEST in str(err.value) and "Rebuild" in str(err.value)
+    finally:
+        _write(bundle, original)
+
+
+def test_an_instance_of_another_class_is_refused_at_bind(tiny_bundle, tiny_dir, tmp_path):
+    """An entry whose cls and id agree but name another class than the module at its path."""
+    from aotc.models.base import load_model
+    from aotc.runtime import Bundle
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle)
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    head = _entry(manifest, "LMHead.forward")
+    head["instances"] = ["model.layers.0"]  # a decoder layer: its forward would be replaced
+    _write(bundle, manifest)
+    with pytest.raises(BundleError, match=r"entry LMHead.forward runs LMHead.forward at model.layers.0, which is a LlamaDecoderLayer"):
+        Bundle.load(bundle).bind(load_model(tiny_dir).model)

@@ -155,6 +155,12 @@ class Bundle:
         memo = StepMemo()
         for entry in self.manifest.entries:
             for path in entry.instances:
+                found = type(model.get_submodule(path)).__name__
+                if found != entry.cls:
+                    raise BundleError(
+                        f"{self.dir / MANIFEST}: entry {entry.id} runs {entry.cls}.{entry.method} at {path or 'the model'}, which is a {found}; "
+                        "the bundle was not built for this model. Rebuild it (aotc build)"
+                    )
                 source = weights[entry.id, path]
                 steps = {(a.context, a.bucket): self.programs[entry.id, a.bucket, a.context].bind(source, rank=rank, world_size=world_size) for a in entry.artifacts}
                 setattr(model.get_submodule(path), entry.method, Dispatcher(entry, steps, device, memo))
