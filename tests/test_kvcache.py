@@ -217,6 +217,62 @@ def test_a_write_through_a_view_of_a_region_lands_where_eager_writes_it():
     assert torch.equal(regions[0], packed[..., :8].view(torch.float32)) and torch.equal(regions[1], packed[..., 8:].view(torch.int32))
 
 
+def test_the_values_downstream_of_the_regions_are_recomputed():
+    """Every node's fake value after the split is what propagating the new inputs gives
+    (shape, strides, dtype): later passes read strides from them."""
+    from aotc.passes.base import fake_val, is_inplace_op
+    from aotc.passes.split_dtype_regions import SplitDtypeRegions
+
+    x, slots, cache = torch.randn(2, 2), torch.tensor([0, 2]), torch.zeros(3, 5, 12, dtype=torch.uint8)
+    gm = torch.export.export(ViewWrite(), (x, slots, cache), strict=False).graph_module
+    assert SplitDtypeRegions()(gm).changes == 2
+    mode = next(fake_val(n).fake_mode for n in gm.graph.nodes if n.op == "placeholder")
+    fresh = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            fresh[node] = node.meta["val"]
+        elif node.op == "call_function":
+            if is_inplace_op(node.target):
+                fresh[node] = fresh[node.args[0]]
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: fresh[n])
+            with mode:
+                fresh[node] = node.target(*args, **kwargs)
+    layout = lambda v: (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    stale = [n.format_node() for n in fresh if isinstance(fresh[n], torch.Tensor) and layout(n.meta["val"]) != layout(fresh[n])]
+    assert not stale, stale
+    assert any(fresh[n].stride() != n.args[0].meta["val"].stride() for n in fresh if n.target is torch.ops.aten.select.int)  # strides did change
+
+
+class OneSliceTwoDtypes(nn.Module):
+    def forward(self, x, cache):
+        cols = cache[..., :8]
+        return cols.view(torch.float32).sum(-1) + cols.view(torch.int32).sum(-1)
+
+
+class TwoLeadingSlices(nn.Module):
+    """A whole cache read through its first slots and first positions: two leading slices."""
+
+    def forward(self, x, cache):
+        first = cache[:2][:, :4]
+        first[..., :4].view(torch.float32)[:, 0] = x
+        return first[..., 4:].view(torch.int32).sum(-1)
+
+
+def test_a_chain_of_two_leading_slices_is_kept_for_each_region():
+    from aotc.passes.split_dtype_regions import SplitDtypeRegions
+
+    x, cache = torch.randn(2, 1), torch.zeros(3, 5, 8, dtype=torch.uint8)
+    want_cache = cache.clone()
+    want = TwoLeadingSlices()(x, want_cache)
+    program = torch.export.export(TwoLeadingSlices(), (x, cache), strict=False)
+    assert SplitDtypeRegions()(program.graph_module).changes == 2
+    program = _with_new_inputs(program)
+    regions = [torch.zeros(3, 5, 1), torch.zeros(3, 5, 1, dtype=torch.int32)]
+    torch.testing.assert_close(program.module()(x, *regions), want)
+    assert torch.equal(regions[0], want_cache[..., :4].view(torch.float32))
+
+
 class OneDtype(nn.Module):
     def forward(self, x, cache):
         cache[..., :4] = x
@@ -240,7 +296,11 @@ def test_inputs_read_as_their_own_dtype_are_left_alone():
     assert "aotc_regions" not in program.graph_module.meta
 
 
-@pytest.mark.parametrize("module, message", [(Overlapping(), r"bytes 0:8 and 4:12 overlap"), (TwoDtypes(), r"bytes 0:8 of input 'cache' are viewed as torch.float32 and as torch.int32")])
+@pytest.mark.parametrize("module, message", [
+    (Overlapping(), r"bytes 0:8 and 4:12 overlap"),
+    (TwoDtypes(), r"bytes 0:8 of input 'cache' are viewed as torch.float32 and as torch.int32"),
+    (OneSliceTwoDtypes(), r"columns 0:8 of input 'cache' are viewed as torch.float32 and torch.int32"),
+])  # fmt: skip
 def test_regions_that_overlap_or_change_dtype_are_errors(module, message):
     program = torch.export.export(module, (torch.zeros(3), torch.zeros(3, 12, dtype=torch.uint8)), strict=False)
     with pytest.raises(TraceError, match=message):

@@ -143,6 +143,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, regions, chain: list[fx.Node]) -
     readers: set[fx.Node] = set()
     anchor = node
     top = chain[-1] if chain else node
+    below = top.next  # each region's slices go here, in the chain's order
     for (start, end), (dtype, uses) in sorted(regions.items()):
         if start % dtype.itemsize or end % dtype.itemsize:
             raise TraceError(f"input '{node.name}': bytes {start}:{end} are not a whole number of {dtype} values")
@@ -153,7 +154,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, regions, chain: list[fx.Node]) -
         region.meta["tensor_meta"] = None
         at = region
         for link in chain:  # the region read through the same leading slices
-            with gm.graph.inserting_before(top.next):
+            with gm.graph.inserting_before(below):
                 sliced = gm.graph.call_function(aten.slice.Tensor, (at, *link.args[1:]))
             with val.fake_mode:
                 sliced.meta["val"] = aten.slice.Tensor(at.meta["val"], *link.args[1:])
