@@ -286,3 +286,28 @@ def test_qwen2_and_mistral_token_exact(arch, tmp_path):
         r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-batch", max_batch, "--max-new-tokens", "16"])
         assert r.exit_code == 0, r.output
         assert_check_report(json.loads(r.output), "inductor")
+
+
+@pytest.mark.parametrize("gcc, cpuinfo", [
+    ("sse4.2", "sse4_2"), ("sse4.1", "sse4_1"), ("avx512f", "avx512f"), ("avx512bf16", "avx512_bf16"), ("avx512vnni", "avx512_vnni"),
+    ("avxvnni", "avx_vnni"), ("amx-tile", "amx_tile"), ("f16c", "f16c"), ("fma", "fma"), ("avx2", "avx2"),
+    ("sse3", "pni"), ("pclmul", "pclmulqdq"), ("bmi", "bmi1"), ("bmi2", "bmi2"), ("rdrnd", "rdrand"), ("sahf", "lahf_lm"), ("sha", "sha_ni"), ("lzcnt", "abm"),
+])  # fmt: skip
+def test_gcc_and_cpuinfo_names_of_an_extension_meet(gcc, cpuinfo):
+    from aotc.backends.inductor import _gcc_normal, _normal
+
+    assert _gcc_normal(gcc) == _normal(cpuinfo)
+
+
+def test_the_recorded_extensions_include_those_named_differently(monkeypatch):
+    """Where this CPU has BMI1 and SSE3, code for -march=native records them (cpuinfo's
+    names bmi1 and pni), so a CPU without them is refused."""
+    import aotc.backends.inductor as inductor
+
+    monkeypatch.setattr(inductor, "host_isa", lambda: frozenset({"bmi1", "pni", "avx2", "fma"}))
+    inductor.gcc_isa.cache_clear()
+    try:
+        _, isa = inductor.gcc_isa("haswell")
+    finally:
+        inductor.gcc_isa.cache_clear()
+    assert set(isa) == {"bmi1", "pni", "avx2", "fma"}

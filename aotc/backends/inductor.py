@@ -73,6 +73,18 @@ def _normal(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+# Extensions that gcc and the kernel name differently (normalized): without these the
+# record would leave them out, and a CPU without BMI1 or SSE3 would be let load code
+# that uses them.
+GCC_TO_CPUINFO = {"sse3": "pni", "pclmul": "pclmulqdq", "bmi": "bmi1", "rdrnd": "rdrand", "sahf": "lahflm", "sha": "shani", "lzcnt": "abm"}
+
+
+def _gcc_normal(name: str) -> str:
+    """A gcc -m<extension> name as /proc/cpuinfo names it (normalized)."""
+    normal = _normal(name)
+    return GCC_TO_CPUINFO.get(normal, normal)
+
+
 @functools.lru_cache(maxsize=None)
 def host_isa() -> frozenset[str]:
     """This CPU's instruction-set extensions, from /proc/cpuinfo (normalized names); empty
@@ -95,7 +107,7 @@ def gcc_isa(march: str, *flags: str) -> tuple[str, tuple[str, ...]]:
         raise BackendError("AOTInductor compiles C++ and no g++ or c++ is on PATH; install one (e.g. apt install g++) or use --backend export")
     command = [cxx, *([f"-march={march}"] if march else []), *flags, "-Q", "--help=target"]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    enabled = {_normal(m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", out, re.M)}
+    enabled = {_gcc_normal(m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", out, re.M)}
     resolved = re.search(r"^\s+-march=\s+(\S+)", out, re.M)
     return (resolved.group(1) if resolved else march or "default"), tuple(sorted(enabled & host_isa()))
 

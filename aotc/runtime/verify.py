@@ -137,7 +137,7 @@ def verify(
         cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
         weights_in = bound[entry.id, instance_path]
         programs = [bundle.programs[entry.id, art.bucket, art.context]] if bundle.programs else []
-        reference = backend.reference(path / art.dir, art)
+        reference = backend.reference(bundle.checked_dir(art), art)  # the copy whose hash was checked
         if reference is not None:
             programs.append(reference)
         if not programs:
