@@ -125,7 +125,7 @@ def copy_tree(dst: Path) -> None:
             shutil.copy2(src, dst / name)
 
 
-def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: float) -> dict:
+def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: float, shard: tuple[int, int] | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     tests = " ".join(TARGETS[target])
     command = f"{sys.executable} -m pytest -x -q -n 0 -p no:randomly -p no:cacheprovider {tests}"
@@ -162,6 +162,9 @@ def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: 
         # chosen mutant inside an annotation that is never evaluated (it cannot change
         # behaviour, so no test could catch it): left out of the score, after sampling, so
         # that a seed still picks the same mutants.
+        if shard is not None:  # this process's share of the sample, by position (the others run theirs)
+            i, n = shard
+            chosen = {job for k, job in enumerate(sorted(chosen, key=where)) if k % n == i - 1}
         spans = unevaluated_annotations(tree / target)
         inert = {job for job in chosen if any(a <= specs[job].start_pos and specs[job].end_pos <= b for a, b in spans)}
         work.set_multiple_results([job for job, _ in jobs if job not in chosen], WorkResult(WorkerOutcome.SKIPPED, output="not chosen"))
@@ -216,8 +219,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600, help="seconds one mutant's tests may run")
     parser.add_argument("--json", type=Path, help="write the scores and survivors here")
+    parser.add_argument("--shard", help="I/N: run the I-th of N shares of the sample (by position), so that N processes run one sample; add their counts")
     args = parser.parse_args()
     targets = args.targets or list(TARGETS)
+    shard = None
+    if args.shard:
+        try:
+            shard = tuple(int(x) for x in args.shard.split("/"))
+            assert len(shard) == 2 and 1 <= shard[0] <= shard[1]
+        except (ValueError, AssertionError):
+            parser.error(f"--shard {args.shard}: expected I/N with 1 <= I <= N, such as 1/2")
     for t in targets:
         if t not in TARGETS:
             parser.error(f"{t}: not a target; known targets are {', '.join(TARGETS)} (add it, with its tests, to TARGETS)")
@@ -226,7 +237,7 @@ def main() -> None:
         tree = Path(tmp)
         copy_tree(tree)
         for t in targets:
-            results.append(run_target(t, tree, args.sample, args.seed, args.timeout))
+            results.append(run_target(t, tree, args.sample, args.seed, args.timeout, shard))
             res = results[-1]
             print(f"  killed {res['killed'] + res['timeouts']} of {res['killed'] + res['timeouts'] + res['survived']} ({res['score']:.0%}) in {res['seconds']} s", flush=True)
             for s in res["survivors"]:

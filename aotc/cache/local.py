@@ -88,12 +88,20 @@ class LocalCache:
         except OSError:
             return False
 
+    def _claimable(self) -> bool:
+        """aotc's already, new, empty, or holding only what aotc puts there before its first
+        entry: lock files (a lookup takes the key's lock)."""
+        if self.made_by_aotc() or not self.root.is_dir():
+            return True
+        ours = lambda p: p.name == "locks" and p.is_dir() and not p.is_symlink() and all(f.suffix == ".lock" for f in p.iterdir())  # noqa: E731
+        return all(ours(p) for p in self.root.iterdir())
+
     def claim(self) -> None:
         """Make the folder aotc's cache if it is new or empty; refuse one that holds anything
         aotc did not put there."""
         if self.made_by_aotc():
             return
-        if self.root.is_dir() and any(self.root.iterdir()):
+        if not self._claimable():
             raise CacheError(
                 f"--cache-dir {self.root}: holds files, and is not a cache aotc made (no {TAG} of aotc's in it); "
                 "aotc writes and deletes only in a cache folder of its own. Pass a new or empty folder"
@@ -104,13 +112,14 @@ class LocalCache:
     def writable(self) -> str | None:
         """None when builds can write here; else why not (a read-only folder, a full disk,
         a folder that is not aotc's)."""
-        try:
-            self.claim()
-        except CacheError as e:
-            return str(e)
-        try:
-            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.root / "tmp"):
+        if not self._claimable():
+            return (
+                f"{self.root} holds files, and is not a cache aotc made (no {TAG} of aotc's in it); "
+                "aotc writes only into a cache folder of its own"
+            )
+        try:  # a probe that leaves nothing behind: the tag comes with the first entry
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root):
                 pass
         except OSError as e:
             return f"{self.root}: {e.strerror or e}"
@@ -120,7 +129,6 @@ class LocalCache:
         return self.root / "entries" / key[:2] / key
 
     def lock(self, key: str) -> FileLock:
-        self.claim()
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.root / "locks" / f"{key}.lock"))
 
