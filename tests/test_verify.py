@@ -238,3 +238,14 @@ def test_two_context_buckets_are_each_verified_within_their_positions(context_bu
     failed = _problems(verify(context_bundle, entry_id="LlamaDecoderLayer.decode"))
     assert set(failed) == {("LlamaDecoderLayer.decode", 1, 64), ("LlamaDecoderLayer.decode", 2, 64)}
     assert all(any("output 0 differs by up to" in p for p in ps) for ps in failed.values())
+
+
+def test_an_fp8_bundle_verifies_with_random_weights_quantized_as_recorded(tmp_path, monkeypatch):
+    """Without its model folder, verify draws random weights and quantizes each stored one
+    to the recorded format, so eager reads what the graphs take: it passes, and still
+    catches changed outputs and cache writes."""
+    model = write_tiny(tmp_path / "llama-fp8", layers=2, quantize="fp8")
+    out = build(BuildOptions(model, out=tmp_path / "b", backend="export", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64)).out
+    shutil.rmtree(model)
+    report = assert_verify_catches_differences(monkeypatch, out)
+    assert report.weights == "random" and len(report.artifacts) == 5

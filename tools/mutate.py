@@ -2,6 +2,7 @@
 
     python tools/mutate.py                      # every target, every mutant
     python tools/mutate.py aotc/fp8.py --sample 60 --json /tmp/mutation.json
+    python tools/mutate.py aotc/runtime/verify.py --sample 30 --seed 34 --shard 1/2   # and 2/2 beside it
 
 cosmic-ray writes each mutant into the module's file and runs the target's
 tests. It runs on a copy of the working tree (tracked and untracked files, not
