@@ -96,16 +96,16 @@ class LocalCache:
         ours = lambda p: p.name == "locks" and p.is_dir() and not p.is_symlink() and all(f.suffix == ".lock" for f in p.iterdir())  # noqa: E731
         return all(ours(p) for p in self.root.iterdir())
 
+    def _not_ours(self) -> str:
+        return f"{self.root}: holds files, and is not a cache aotc made (no {TAG} of aotc's in it); aotc writes and deletes only in a cache folder of its own"
+
     def claim(self) -> None:
         """Make the folder aotc's cache if it is new or empty; refuse one that holds anything
         aotc did not put there."""
         if self.made_by_aotc():
             return
         if not self._claimable():
-            raise CacheError(
-                f"--cache-dir {self.root}: holds files, and is not a cache aotc made (no {TAG} of aotc's in it); "
-                "aotc writes and deletes only in a cache folder of its own. Pass a new or empty folder"
-            )
+            raise CacheError(f"--cache-dir {self._not_ours()}. Pass a new or empty folder")
         self.root.mkdir(parents=True, exist_ok=True)
         write_atomic(self.root / TAG, TAG_TEXT.encode())
 
@@ -113,10 +113,7 @@ class LocalCache:
         """None when builds can write here; else why not (a read-only folder, a full disk,
         a folder that is not aotc's)."""
         if not self._claimable():
-            return (
-                f"{self.root} holds files, and is not a cache aotc made (no {TAG} of aotc's in it); "
-                "aotc writes only into a cache folder of its own"
-            )
+            return self._not_ours()
         try:  # a probe that leaves nothing behind: the tag comes with the first entry
             self.root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root):
