@@ -4,6 +4,7 @@ the scratch slot, and the neuron lint."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -83,12 +84,45 @@ def test_padding_that_reaches_a_real_slot_fails(tiny_bundle, tmp_path):
         for a in e["artifacts"]:
             for i in a["inputs"]:
                 if i["name"] == "slots":
-                    i["pad"] = 0  # padding rows write slot 0, a real sequence's, not the scratch slot
+                    i["pad"] = 1  # padding rows write slot 1, a real sequence's, not the scratch slot
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bundle)
     failed = {(a.entry, a.bucket): a.problems for a in report.artifacts if not a.passed}
     assert set(failed) == {("LlamaDecoderLayer.decode", 4), ("LlamaDecoderLayer.prefill", 16), ("LlamaDecoderLayer.prefill", 64)}
-    assert any("(slot 0), where eager wrote nothing" in p for p in failed["LlamaDecoderLayer.decode", 4])
+    for problems in failed.values():
+        assert any(re.search(r"wrote cache \d+ at \(1, [\d, ]+\) \(slot 1\), where eager wrote nothing", p) for p in problems), problems
+
+
+def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
+    """Steps whose padding rows write nothing (each cache's scratch slot put back after the
+    call): their writes went elsewhere or nowhere, so each padded artifact fails, saying so."""
+    from aotc.runtime import verify as verify_mod
+
+    slots = tiny_bundle.manifest.shapes.cache_slots
+
+    def scratch_kept(key, run):
+        def step(args):
+            kept = [a[slots - 1].clone() if a.dim() > 1 and a.shape[0] == slots else None for a in args]  # caches: [slots, ...]
+            outs = run(args)
+            for a, k in zip(args, kept):
+                if k is not None:
+                    a[slots - 1] = k
+            return outs
+
+        return step
+
+    load = verify_mod.Bundle.load
+
+    def loading(*a, **k):
+        bundle = load(*a, **k)
+        wrap_programs(bundle, scratch_kept)
+        return bundle
+
+    monkeypatch.setattr(verify_mod.Bundle, "load", loading)
+    failed = _problems(verify(tiny_bundle.out))
+    assert set(failed) == {("LlamaDecoderLayer.decode", 4, 256), ("LlamaDecoderLayer.prefill", 16, None), ("LlamaDecoderLayer.prefill", 64, None)}, failed
+    for problems in failed.values():
+        assert problems == [f"program.pt2: the padding rows wrote nothing into any cache's scratch slot {slots - 1}"], problems
 
 
 def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypatch):
@@ -196,6 +230,44 @@ def test_an_artifact_whose_output_differs_fails_naming_it(tiny_bundle, other_eps
     assert any("output 0 differs by up to" in p for p in layer) and any("wrote cache 5 differently from eager where eager wrote" in p for p in layer), layer
     r = CliRunner().invoke(app, ["verify", str(bundle)], env={"COLUMNS": "200"})
     assert r.exit_code == 1 and "LMHead.forward bucket 2: program.pt2 output 0 differs" in " ".join(r.output.split()), r.output
+
+
+def test_a_prefill_chunk_is_verified_after_a_first_one(tiny_bundle, tmp_path):
+    """A chunk graph that attends only within a window of 64 (a mistral's, same signature)
+    agrees with full attention on a first chunk of up to 64 rows; verify runs a chunk after a
+    first one, which reads the cache history, so the 64-row graph fails and the 16-row one
+    (positions 16..30, all within the window) passes."""
+    windowed = write_tiny(tmp_path / "windowed", layers=2, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    other = build(BuildOptions(windowed, out=tmp_path / "w", batch_buckets=(4,), chunk_buckets=(16, 64), max_seq=256, backend="export")).out
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle.out, bundle)
+    for chunk in (16, 64):
+        name = artifact_dir("LlamaDecoderLayer.prefill", chunk, None)
+        shutil.copy(other / name / "program.pt2", bundle / name / "program.pt2")
+    rehash(bundle)
+    failed = _problems(verify(bundle, entry_id="LlamaDecoderLayer.prefill"))
+    assert set(failed) == {("LlamaDecoderLayer.prefill", 64, None)}, failed
+    assert any("output 0 differs by up to" in p for p in failed["LlamaDecoderLayer.prefill", 64, None])
+
+
+def test_a_chunk_as_long_as_max_seq_is_verified_from_position_0(tiny_dir, tmp_path, monkeypatch):
+    """Where a second chunk would not fit (chunk 64 of max_seq 64), the chunk verify runs
+    starts at position 0; and verify builds no autograd graph (a real model's weights are
+    parameters that ask for gradients: every eager call would keep its activations)."""
+    from aotc.runtime import verify as verify_mod
+
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16, 64), max_seq=64, backend="export")).out
+    grad_modes = []
+    record = verify_mod._record
+
+    def recording(model, instance, method, drive):
+        grad_modes.append(torch.is_grad_enabled())
+        return record(model, instance, method, drive)
+
+    monkeypatch.setattr(verify_mod, "_record", recording)
+    report = verify(out, entry_id="LlamaDecoderLayer.prefill")
+    assert report.passed, _problems(report)
+    assert sorted(a.bucket for a in report.artifacts) == [16, 64] and grad_modes and not any(grad_modes)
 
 
 def test_cache_writes_that_differ_fail_with_their_own_message(tiny_bundle, monkeypatch):

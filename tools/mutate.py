@@ -87,7 +87,7 @@ def kept(operator: str) -> bool:
 
 INERT = "in an annotation that is never evaluated"
 # Decorators that leave a function's annotations unread (typer, msgspec and dataclasses read them).
-PLAIN_DECORATORS = {"staticmethod", "classmethod", "property", "cache", "lru_cache", "cached_property", "contextmanager"}
+PLAIN_DECORATORS = {"staticmethod", "classmethod", "property", "cache", "lru_cache", "cached_property", "contextmanager", "no_grad", "inference_mode"}
 
 
 def unevaluated_annotations(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:

@@ -54,7 +54,6 @@ from ..errors import TraceError
 from .base import GraphPass, fake_val, is_inplace_op, source_line
 
 aten = torch.ops.aten
-_END = 2**63 - 1  # what export writes for an open-ended slice
 
 
 class SplitDtypeRegions(GraphPass):
@@ -105,7 +104,8 @@ def _regions(node: fx.Node, top: fx.Node) -> dict[tuple[int, int], tuple[torch.d
         dim, start, end, step = (list(use.args[1:]) + [0, None, None, 1][len(use.args) - 1 :])[:4]
         if dim % val.dim() != last or step != 1:
             return None
-        start, end = start or 0, val.shape[last] if end in (None, _END) else min(end, val.shape[last])
+        # An open-ended slice's end is None or 2**63 - 1 (export writes either): both clamp to the width.
+        start, end = start or 0, val.shape[last] if end is None else min(end, val.shape[last])
         views = [u for u in use.users if u.target is aten.view.dtype]
         dtypes = {v.args[1] for v in views}
         if len(views) != len(use.users) and views:  # the slice read as bytes and as another dtype
