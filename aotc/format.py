@@ -58,7 +58,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -705,6 +705,22 @@ def _json_type(value) -> str:
 
 
 # -- file integrity ---------------------------------------------------------------
+
+
+def crossed_weights(entry: EntryRecord, found: list[str] | None) -> str | None:
+    """What differs between an artifact's own record of its weight inputs (each one's
+    WeightSpec.key, in the order the graph takes them) and the entry's weights, which say
+    which tensor of the instance goes where; None where they agree, or the artifact
+    records none. Two weights of one shape crossed would otherwise run, wrong."""
+    if found is None:
+        return None
+    expected = [w.key for w in entry.weights]
+    if found == expected:
+        return None
+    i = next((i for i, (e, f) in enumerate(zip(expected, found)) if e != f), None)
+    if i is None:
+        return f"the artifact takes {len(found)} weights, the entry lists {len(expected)}"
+    return f"the artifact takes weight {i} as {found[i]!r}, the entry lists {expected[i]!r} there"
 
 
 def sha256_file(path: Path) -> str:

@@ -137,6 +137,24 @@ def swapped_copy(src, dst, other=2, entry="LlamaDecoderLayer.decode", context=No
     return dst
 
 
+def cross_weights(manifest_file, a="mlp.gate_proj.weight", b="mlp.up_proj.weight") -> None:
+    """Two weights of one shape crossed in every entry that lists both (a manifest or a
+    build recipe): as written, it would run each layer with the other's tensor."""
+    import json
+
+    manifest = json.loads(manifest_file.read_text())
+    crossed = 0
+    for e in manifest["entries"]:
+        paths = [w["path"] for w in e["weights"]]
+        if a in paths and b in paths:
+            i, j = paths.index(a), paths.index(b)
+            assert e["weights"][i]["shape"] == e["weights"][j]["shape"]
+            e["weights"][i]["path"], e["weights"][j]["path"] = b, a
+            crossed += 1
+    assert crossed
+    manifest_file.write_text(json.dumps(manifest))
+
+
 def wrap_steps(dispatcher, wrap) -> None:
     """Each step of one bound entry method (a Dispatcher) replaced, for this instance only,
     by one whose run is wrap(context, bucket, run) (run: the step's own)."""

@@ -89,7 +89,7 @@ class InterpreterBackend(Backend):
         return f"torch-{torch.__version__}-fx-interpreter-1"
 
     def compile(self, program, specs: Specs, out_dir: Path) -> CompileResult:
-        save_program(program, str(out_dir / PROGRAM))
+        save_program(program, str(out_dir / PROGRAM), specs.weight_paths)
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record) -> Program:

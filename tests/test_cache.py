@@ -467,6 +467,26 @@ def test_a_recipe_that_points_anywhere_aotc_would_not_write_is_a_miss(tiny_dir, 
         assert load_recipe(cache, recipe) is None
 
 
+def test_a_recipe_with_two_weights_crossed_is_a_reported_miss(tiny_dir, tmp_path):
+    """A shared cache's recipe with gate_proj and up_proj crossed: each artifact's own
+    record of its weights disagrees, so the build says so and traces; what it writes
+    then (bundle and recipe) has the weights as compiled."""
+    from aotc.runtime import Bundle
+
+    from .conftest import cross_weights
+
+    cache = tmp_path / "cache"
+    first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
+    (recipe,) = (cache / "builds").glob("*.json")
+    cross_weights(recipe)
+    again = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
+    assert again.graphs_traced > 0
+    assert any(f"{recipe}: LlamaDecoderLayer." in n and "the artifact takes weight" in n and n.endswith("built the normal way") for n in again.notes), again.notes
+    assert [e.weights for e in again.manifest.entries] == [e.weights for e in first.manifest.entries]
+    Bundle.load(again.out)
+    assert build(BuildOptions(tiny_dir, out=tmp_path / "c", cache_dir=cache, **OPTIONS)).graphs_traced == 0  # the recipe written again
+
+
 @pytest.mark.parametrize("url", ["https://aotc/ci", "s3:///ci", "s3:ci"])
 def test_remote_url_must_name_an_s3_bucket(url):
     from aotc.cache.remote import RemoteCache

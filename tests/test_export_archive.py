@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aotc.backends.export import save_program
-from aotc.backends.export_archive import check_archive, program_inputs
+from aotc.backends.export_archive import check_archive, program_inputs, program_weights
 from aotc.errors import BundleError
 
 
@@ -25,7 +25,7 @@ class Step(torch.nn.Module):
 def archive(tmp_path_factory):
     path = tmp_path_factory.mktemp("archive") / "program.pt2"
     args = (torch.randn(2, 4), torch.randn(3, 4), torch.zeros(5, 4), torch.tensor([0, 1]))
-    save_program(torch.export.export(Step(), args, strict=False), str(path))
+    save_program(torch.export.export(Step(), args, strict=False), str(path), ["w"])
     return path
 
 
@@ -69,6 +69,7 @@ def test_what_the_export_backend_writes_is_accepted(archive, tmp_path):
     program = check_archive(archive)
     assert "torch.ops.aten.linear.default" in {n["target"] for n in graph(program)["nodes"]}
     assert program_inputs(archive) == [([2, 4], "float32"), ([3, 4], "float32"), ([5, 4], "float32"), ([2], "int64")]
+    assert program_weights(archive) == ["w"]
     # Size expressions of sympy's integer vocabulary are data; they are accepted anywhere.
     expr = "Add(Mul(Integer(2), Symbol('s0', integer=True, positive=True)), Integer(-1))"
     ok = rewritten(archive, tmp_path / "expr.pt2", program_edit(lambda p: graph(p).setdefault("sym_int_values", {}).update(s0={"as_expr": {"expr_str": expr}})))
@@ -86,6 +87,8 @@ CASES = {
     "pickled sample inputs": (lambda m: {**m, member(m, "sample_inputs/model.pt"): b"\x80\x04K\x01."}, "it carries pickled sample inputs"),
     "weights": (lambda m: {**m, member(m, "model_weights_config.json"): json.dumps({"config": {"w": {"path_name": "w"}}}).encode()}, r"data/weights/model_weights_config.json names pickled tensors"),
     "constants": (lambda m: {**m, member(m, "model_constants_config.json"): json.dumps({"config": {"c": {"path_name": "c"}}}).encode()}, r"data/constants/model_constants_config.json names pickled tensors"),
+    "no weights record": (lambda m: {k: v for k, v in m.items() if not k.endswith("aotc_weights.json")}, r"unexpected members \['extra/aotc_weights.json'\]"),
+    "a weights record of another kind": (lambda m: {**m, member(m, "aotc_weights.json"): b'{"w": 1}'}, r"extra/aotc_weights.json is not a list of weight paths"),
     "not json": (lambda m: {**m, member(m, "models/model.json"): b"{"}, r"not an archive aotc wrote \(JSONDecodeError"),
     "guards code": (program_edit(_set(lambda p: p, "guards_code", ["import os"])), "it carries guards code"),
     "a python call": (program_edit(_set(first_node, "target", "builtins.eval")), r"calls 'builtins.eval', which is not an aten or prims op"),

@@ -22,7 +22,7 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
-from .conftest import assert_check_report, assert_generation_matches_eager, record_contexts, swapped_copy
+from .conftest import assert_check_report, assert_generation_matches_eager, cross_weights, record_contexts, rehash, swapped_copy
 
 pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 
@@ -264,6 +264,32 @@ def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_pa
     sha256 fixed in the manifest) are refused before anything runs."""
     bundle = swapped_copy(inductor_bundles[0].out, tmp_path / "swapped", other=8, context=32)
     with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 context 32 as the manifest says \(input \d+ is \(\[8,"):
+        Bundle.load(bundle)
+
+
+def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
+    """A package's inputs carry no names, so each records its weight paths in its metadata,
+    which the loader's get_metadata() reads: gate_proj and up_proj crossed in the manifest
+    are refused; so is a package whose metadata files disagree (whichever the loader reads)."""
+    import zipfile
+
+    bundle = tmp_path / "crossed"
+    shutil.copytree(inductor_bundles[0].out, bundle)
+    cross_weights(bundle / "manifest.json")
+    with pytest.raises(BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"):
+        Bundle.load(bundle)
+    shutil.rmtree(bundle)
+    shutil.copytree(inductor_bundles[0].out, bundle)
+    package = next(bundle.glob("entries/LMHead.forward/*/model.pt2"))
+    with zipfile.ZipFile(package) as z:
+        members = {i.filename: z.read(i) for i in z.infolist()}
+    (kernel,) = [n for n in members if n.endswith("kernel_metadata.json")]
+    members[kernel] = members[kernel].replace(b"norm.weight", b"lm_head.weight")
+    with zipfile.ZipFile(package, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    rehash(bundle)
+    with pytest.raises(BundleError, match=r"LMHead.forward/b\d+/model.pt2: its metadata files record different weights"):
         Bundle.load(bundle)
 
 

@@ -65,10 +65,13 @@ class FakeBackend:
         return self._flags
 
 
-def graph(code="x + 1", pad=0, stride=(4, 1), out_dtype="float32"):
+def graph(code="x + 1", pad=0, stride=(4, 1), out_dtype="float32", weight="w.weight"):
     return SimpleNamespace(
         graph_module=SimpleNamespace(code=code),
-        inputs=[SimpleNamespace(kind="activation", shape=[2, 4], dtype="float32", stride=list(stride), pad=pad)],
+        inputs=[
+            SimpleNamespace(kind="weight", shape=[4, 4], dtype="float32", stride=[4, 1], pad=0, path=weight),
+            SimpleNamespace(kind="activation", shape=[2, 4], dtype="float32", stride=list(stride), pad=pad, path=None),
+        ],
         outputs=[SimpleNamespace(shape=[2, 4], dtype=out_dtype)],
     )
 
@@ -81,6 +84,7 @@ def test_cache_key_changes_with_the_graph_its_metadata_and_the_backend():
         cache_key(graph(pad=-1), FakeBackend()),
         cache_key(graph(stride=(1, 2)), FakeBackend()),
         cache_key(graph(out_dtype="bfloat16"), FakeBackend()),
+        cache_key(graph(weight="v.weight"), FakeBackend()),  # the artifact records which tensor each weight input is
         cache_key(graph(), FakeBackend(version="2")),
         cache_key(graph(), FakeBackend(flags={"max_autotune": True})),
     ]

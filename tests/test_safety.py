@@ -20,7 +20,7 @@ from aotc.errors import AotcError, BundleError, ConfigError
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 
-from .conftest import rehash, swapped_copy
+from .conftest import cross_weights, rehash, swapped_copy
 
 OPTIONS = dict(batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export")
 
@@ -262,6 +262,21 @@ def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
         Bundle.load(bundle)
 
 
+CROSSED = r"the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there, so .*manifest.json would run it with other tensors"
+
+
+def test_a_manifest_with_two_weights_crossed_is_refused(tiny_bundle, tmp_path):
+    """gate_proj and up_proj (one shape) crossed in the manifest: each export program
+    records which tensor each of its weight inputs is, so loading refuses it, naming it."""
+    bundle = tmp_path / "crossed"
+    shutil.copytree(tiny_bundle.out, bundle)
+    cross_weights(bundle / "manifest.json")
+    with pytest.raises(BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: " + CROSSED):
+        Bundle.load(bundle)
+    r = CliRunner().invoke(app, ["run", str(bundle), "--prompt", "hi"], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and "the artifact takes weight" in r.output, r.output
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "missing tensor", "config only"])
 def test_warm_rebuild_still_checks_the_model_folder(model, tmp_path, damage):
     from safetensors.torch import load_file, save_file
@@ -334,7 +349,10 @@ def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tm
     cxx.chmod(0o755)
     args = [sys.executable, "-m", "aotc.cli", "build", str(model), "--backend", "inductor", "--jobs", "2", "--buckets", "1,2",
             "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "cache"), "-o", str(tmp_path / "bundle")]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "AOTC_TEST_RUN": tag, "CXX": str(cxx)})
+    # SIGINT as a terminal delivers it, even where pytest runs in the background (which hands
+    # its children an ignored SIGINT, so Python would never raise KeyboardInterrupt).
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "AOTC_TEST_RUN": tag, "CXX": str(cxx)}, preexec_fn=restore)
     deadline, running = time.time() + 180, {}
     while time.time() < deadline and proc.poll() is None:  # both workers started, a compiler running
         running = _tagged(tag)

@@ -20,7 +20,7 @@ from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.resident import buffers
 
-from .conftest import assert_check_report, assert_generation_matches_eager, record_contexts
+from .conftest import assert_check_report, assert_generation_matches_eager, cross_weights, record_contexts
 
 pytestmark = pytest.mark.skipif(XlaBackend().can_compile() is not None, reason=str(XlaBackend().can_compile()))
 
@@ -143,6 +143,24 @@ def test_decode_moves_the_step_activations_only_and_copies_no_cache(xla_bundle):
     assert used == [32] * 4 + [64] * 8
     assert [b.value.unsafe_buffer_pointer() for b, _ in held] == [p for _, p in held]  # no cache copied
     assert device.placed == sum(graph_weights.values())  # nothing placed again
+
+
+def test_crossed_weights_are_refused_at_load(xla_bundle, tmp_path):
+    """The JAX module takes each weight as a dict of one key, its path: gate_proj and
+    up_proj crossed in the manifest are refused; the HLO's parameters are named by them."""
+    import shutil
+
+    from aotc.errors import BundleError
+
+    _, result = xla_bundle
+    hlo = next(result.out.glob("entries/LlamaDecoderLayer.decode/*/hlo.txt")).read_text()
+    at = [w.path for w in result.manifest.entry("LlamaDecoderLayer.decode").weights].index("mlp.gate_proj.weight")
+    assert re.search(rf"args_{at}___mlp_gate_proj_weight__\S* = f32\[\d+,\d+\]\S* parameter\({at}\)", hlo), hlo[:2000]
+    bundle = tmp_path / "crossed"
+    shutil.copytree(result.out, bundle)
+    cross_weights(bundle / "manifest.json")
+    with pytest.raises(BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"):
+        Bundle.load(bundle)
 
 
 def test_run_check_is_token_exact(xla_bundle):

@@ -64,6 +64,13 @@ class Specs:
     outputs: list[TensorSpec]
 
     @property
+    def weight_paths(self) -> list[str]:
+        """Which tensor of the instance each weight input is (WeightSpec.key), in input
+        order: what each artifact records of itself, so that a manifest or recipe whose
+        weights are crossed is refused (format.crossed_weights)."""
+        return [s.path for s in self.inputs if s.kind == "weight"]
+
+    @property
     def caches(self) -> list[int]:
         """Input positions of the caches (the inputs a graph may write)."""
         return [i for i, s in enumerate(self.inputs) if s.kind == "cache"]
@@ -303,6 +310,12 @@ class Backend(abc.ABC):
         """The inputs (shape, dtype name) as the artifact itself records them, read as
         data before anything is loaded; Bundle.load refuses an artifact whose signature
         is not what the manifest says (swapped or mislabeled). None: it cannot tell."""
+        return None
+
+    def weight_paths(self, art_dir: Path) -> list[str] | None:
+        """Which tensor each weight input is (Specs.weight_paths) as the artifact itself
+        records it, read before anything is loaded; Bundle.load and a build recipe refuse
+        an artifact whose record is not its entry's weights. None: it records none."""
         return None
 
     def bisector(self) -> Bisector | None:

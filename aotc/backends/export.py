@@ -6,6 +6,7 @@ backends are checked against.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import torch
 
 from ..format import ArtifactRecord
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
-from .export_archive import check_archive, program_inputs
+from .export_archive import WEIGHTS_MEMBER, check_archive, program_inputs, program_weights
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -33,12 +34,14 @@ class GraphProgram(Program):
         return Step(HOST, lambda args, call=0: list(gm(*tensors, *args)), tensors)
 
 
-def save_program(program: "ExportedProgram", f) -> None:
+def save_program(program: "ExportedProgram", f, weights: list[str]) -> None:
     """torch.export.save without the example inputs: they are fake tensors (the build
-    never reads weights), which do not serialize, and running needs none."""
+    never reads weights), which do not serialize, and running needs none. `weights`:
+    which tensor each weight input is (Specs.weight_paths), kept in the archive, since
+    its inputs are named flat_0, flat_1..."""
     example, program.example_inputs = program.example_inputs, None
     try:
-        torch.export.save(program, f)
+        torch.export.save(program, f, extra_files={WEIGHTS_MEMBER: json.dumps(weights)})
     finally:
         program.example_inputs = example
 
@@ -52,7 +55,7 @@ class ExportBackend(Backend):
         return f"torch-{torch.__version__}"
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
-        save_program(program, str(out_dir / PROGRAM))
+        save_program(program, str(out_dir / PROGRAM), specs.weight_paths)
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
@@ -64,3 +67,6 @@ class ExportBackend(Backend):
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
         return program_inputs(art_dir / PROGRAM)
+
+    def weight_paths(self, art_dir: Path) -> list[str]:
+        return program_weights(art_dir / PROGRAM)

@@ -7,7 +7,8 @@ export bundle's `program.pt2` reaches torch, this module reads it as data and
 refuses anything aotc's export backend does not write:
 
 1. exactly the archive members torch writes for a program with no weights,
-   no constants and no sample inputs (nothing that would be unpickled);
+   no constants and no sample inputs (nothing that would be unpickled), and
+   aotc's record of which tensor each weight input is (a JSON list);
 2. every call target an aten or prims overload, `operator.getitem`, or one of
    the integer comparisons and arithmetic that unbacked sizes use;
 3. every argument of a plain kind (tensors, numbers, dtypes, devices...):
@@ -26,9 +27,11 @@ from pathlib import Path
 
 from ..errors import BundleError
 
+WEIGHTS_MEMBER = "aotc_weights.json"  # torch.export.save's extra file: which tensor each weight input is
 MEMBERS = {
     "models/model.json", "data/weights/model_weights_config.json", "data/constants/model_constants_config.json",
     "data/sample_inputs/model.pt", "archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id",
+    f"extra/{WEIGHTS_MEMBER}",
 }  # fmt: skip
 EMPTY_CONFIG = {"config": {}}
 TARGET = re.compile(r"torch\.ops\.(aten|prims)\.\w+\.\w+|_operator\.(getitem|ge|gt|le|lt|eq|ne|add|sub|mul|floordiv|mod|neg|truediv)")
@@ -62,9 +65,18 @@ def program_inputs(path: Path) -> list[tuple[list[int], str]]:
     return out
 
 
+def program_weights(path: Path) -> list[str]:
+    """Which tensor each weight input is (Specs.weight_paths), as the archive records it."""
+    return _checked(path)[1]
+
+
 def check_archive(path: Path) -> dict:
     """Refuse an export archive that holds anything aotc's export backend does not write;
     returns the program's JSON."""
+    return _checked(path)[0]
+
+
+def _checked(path: Path) -> tuple[dict, list[str]]:
     try:
         with zipfile.ZipFile(path) as z:
             infos = {i.filename: i for i in z.infolist()}
@@ -80,11 +92,14 @@ def check_archive(path: Path) -> dict:
             for config in ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json"):
                 if json.loads(z.read(f"{prefix}/{config}")) != EMPTY_CONFIG:
                     _refuse(path, f"{config} names pickled tensors; aotc's programs take every weight as an input")
+            weights = json.loads(z.read(f"{prefix}/extra/{WEIGHTS_MEMBER}"))
+            if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
+                _refuse(path, f"extra/{WEIGHTS_MEMBER} is not a list of weight paths")
             program = json.loads(z.read(f"{prefix}/models/model.json"))
     except (zipfile.BadZipFile, json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
         _refuse(path, f"not an archive aotc wrote ({type(e).__name__}: {e})")
     _check_program(path, program)
-    return program
+    return program, weights
 
 
 def _check_program(path: Path, program: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import platform
 import re
 import shutil
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import BackendError
+from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
 PACKAGE = "model.pt2"  # the AOTInductor package (its inner folder is named after it)
+# The package's metadata key that records which tensor each weight input is: its inputs
+# carry no names. AOTInductor writes the metadata as JSON files in the package (one per
+# compiled file), which the loader's get_metadata() reads back.
+WEIGHTS_KEY = "aotc_weights"
 SERIALIZATION_ID = ".data/serialization_id"
 # AOTInductor appends the gcc command lines (with this machine's temp paths) to
 # the sources it packages, on some code paths and not others.
@@ -223,7 +228,9 @@ class InductorBackend(Backend):
 
         with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
             raw = Path(tmp) / PACKAGE
-            aoti_compile_and_package(program, package_path=str(raw), inductor_configs=dict(self.config))
+            configs = dict(self.config)
+            configs["aot_inductor.metadata"] = {**configs.get("aot_inductor.metadata", {}), WEIGHTS_KEY: json.dumps(specs.weight_paths)}
+            aoti_compile_and_package(program, package_path=str(raw), inductor_configs=configs)
             normalize_package(raw, out_dir / PACKAGE)
         if self.device == "cuda":
             return CompileResult([PACKAGE], InductorExtra(self.target(), "", []))
@@ -239,7 +246,29 @@ class InductorBackend(Backend):
         # mismatch; the bundle checks its target itself (Bundle.load). Remove
         # this when the public loader stops probing. (A swapped package is refused
         # before this: Bundle.load compares signature() with the manifest.)
-        return PackageProgram(torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1))
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
+        # The record checked against the manifest (read as data, below) must be the one the
+        # loader reads: were another torch to read another file, it is refused, not trusted.
+        if loader.get_metadata().get(WEIGHTS_KEY) != json.dumps(self.weight_paths(art_dir)):
+            raise BundleError(f"{art_dir / PACKAGE}: the loader reads another {WEIGHTS_KEY} record than the package's metadata files hold; rebuild the bundle (aotc build)")
+        return PackageProgram(loader)
+
+    def weight_paths(self, art_dir: Path) -> list[str] | None:
+        try:
+            with zipfile.ZipFile(art_dir / PACKAGE) as z:
+                # Every metadata file must say the same: whichever the loader reads.
+                recorded = {json.loads(z.read(n)).get(WEIGHTS_KEY) for n in z.namelist() if n.endswith("_metadata.json")}
+            if len(recorded) > 1:
+                raise BundleError(f"{art_dir / PACKAGE}: its metadata files record different weights ({sorted(map(str, recorded))}); the package was altered. Rebuild the bundle (aotc build)")
+            paths = json.loads(recorded.pop() or "null") if recorded else None
+        except (zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
+            raise BundleError(f"{art_dir / PACKAGE}: not a package aotc wrote ({type(e).__name__}: {e}); rebuild the bundle (aotc build)") from None
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise BundleError(
+                f"{art_dir / PACKAGE}: its {WEIGHTS_KEY} metadata (which tensor each weight input is) is {paths!r}, "
+                "not a list of weight paths; rebuild the bundle (aotc build)"
+            )
+        return paths
 
 
 # The generated wrapper holds each input's checks (they run only under

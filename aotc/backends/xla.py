@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import BackendError
+from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
 from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, one_device, register_backend
 
@@ -178,8 +178,11 @@ def decomposed(program: "ExportedProgram", specs: Specs) -> tuple[torch.fx.Graph
     return gm, mutated
 
 
-def jitted(gm: torch.fx.GraphModule, donate: tuple[int, ...] = ()):
-    """gm as a jitted JAX function of its placeholders, and their shape specs."""
+def jitted(gm: torch.fx.GraphModule, donate: tuple[int, ...] = (), weights: list[str] = ()):
+    """gm as a jitted JAX function of its placeholders, and their shape specs. The first
+    len(weights) inputs each come as a dict of one key, the tensor's path (Specs.weight_paths):
+    the module's input tree then records which tensor each weight input is (and the HLO's
+    parameter names show it), with the flat order of the inputs unchanged."""
     torchax = import_torchax()
     import jax
 
@@ -191,9 +194,11 @@ def jitted(gm: torch.fx.GraphModule, donate: tuple[int, ...] = ()):
                 return super().run_node(n)
 
     def computation(*args):
-        return tuple(Named(gm).run(*args, enable_io_processing=False))
+        flat = [a[w] for a, w in zip(args, weights)] + list(args[len(weights) :])
+        return tuple(Named(gm).run(*flat, enable_io_processing=False))
 
     specs = [jax.ShapeDtypeStruct(tuple(n.meta["val"].shape), _jax_dtype(n.meta["val"].dtype)) for n in gm.graph.nodes if n.op == "placeholder"]
+    specs[: len(weights)] = [{w: spec} for w, spec in zip(weights, specs)]
     # keep_unused: hlo.pb takes every graph input, in order, as the runtime passes them
     # (jit would drop an input the computation does not read, such as token ids in a
     # layer that does not hash them, and shift every later parameter).
@@ -223,12 +228,25 @@ def lower(program: "ExportedProgram", specs: Specs) -> Lowered:
     from ..passes.base import source_line  # build-time only: loading a bundle imports no pass
 
     gm, mutated = decomposed(program, specs)
-    fn, specs = jitted(gm, tuple(mutated))
+    fn, shapes = jitted(gm, tuple(mutated), specs.weight_paths)
     with _x64_casts_quiet():
-        hlo = fn.lower(*specs).compiler_ir("hlo")
-        exported = jax.export.export(fn)(*specs)
+        hlo = fn.lower(*shapes).compiler_ir("hlo")
+        exported = jax.export.export(fn)(*shapes)
     sources = {n.name: source_line(n) for n in gm.graph.nodes if n.op == "call_function"}
     return Lowered(hlo.as_serialized_hlo_module_proto(), hlo.as_hlo_text(), bytes(exported.serialize()), mutated, sources)
+
+
+def module_weights(exported, path: Path) -> list[str]:
+    """Which tensor each weight input is, from the module's input tree (jitted): the
+    leading inputs that are dicts of one key, the tensor's path."""
+    import jax
+
+    tree = jax.tree_util.tree_unflatten(exported.in_tree, range(exported.in_tree.num_leaves))
+    args = tree[0] if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[0], tuple) else ()
+    weights = [a for a in args if isinstance(a, dict)]
+    if any(len(w) != 1 or not isinstance(next(iter(w)), str) for w in weights) or any(not isinstance(a, dict) for a in args[: len(weights)]):
+        raise BundleError(f"{path}: its input tree is not one aotc writes (weights as leading dicts of one path each); rebuild the bundle (aotc build)")
+    return [next(iter(w)) for w in weights]
 
 
 def _jax_dtype(dtype: torch.dtype):
@@ -293,8 +311,8 @@ class JaxProgram(Program):
 
     label = JAX_MODULE
 
-    def __init__(self, backend: "XlaBackend", exported, mutated: list[int]):
-        self.backend, self.exported, self.mutated = backend, exported, mutated
+    def __init__(self, backend: "XlaBackend", exported, mutated: list[int], weights: list[str]):
+        self.backend, self.exported, self.mutated, self.weights = backend, exported, mutated, weights
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         import jax
@@ -302,12 +320,13 @@ class JaxProgram(Program):
         one_device(XlaBackend.name, rank, world_size)
         device = self.backend.device_for(rank, world_size)
         placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
+        named = [{path: w} for path, w in zip(self.weights, placed)]  # the module's input tree (jitted)
         run = jax.jit(self.exported.call, donate_argnums=tuple(self.mutated))
         # The written caches, by their position among the method's arguments.
         written = [position - len(placed) for position in self.mutated]
 
         def step(args: list, call: int = 0) -> list:
-            outs = run(*placed, *[a.value if isinstance(a, DeviceBuffer) else a for a in args])
+            outs = run(*named, *[a.value if isinstance(a, DeviceBuffer) else a for a in args])
             for at, new in zip(written, outs):
                 args[at].value = new  # the donated buffer, updated in place
             return list(outs[len(written) :])
@@ -432,7 +451,7 @@ class XlaBackend(Backend):
         import jax
 
         exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
-        return JaxProgram(self, exported, record.extra.mutated)
+        return JaxProgram(self, exported, record.extra.mutated, module_weights(exported, art_dir / JAX_MODULE))
 
     def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
         if self._device is None:
@@ -448,6 +467,11 @@ class XlaBackend(Backend):
         exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
         # Without JAX's x64 mode, int64 inputs are int32 in the module (see lower()).
         return [(list(a.shape), str(a.dtype).replace("int32", "int64")) for a in exported.in_avals]
+
+    def weight_paths(self, art_dir: Path) -> list[str]:
+        import jax
+
+        return module_weights(jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes())), art_dir / JAX_MODULE)
 
     def bisector(self) -> Bisector:
         # The HLO compiler an xla bundle is bisected with: neuronx-cc at its defaults

@@ -21,9 +21,9 @@ from ..backends.base import get_backend_class
 from ..cache import LocalCache
 from ..cache.keys import build_key as _build_key, recipe_key
 from ..cache.local import CacheError
-from ..cache.recipes import load_recipe, save_recipe
-from ..errors import AotcError
-from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, read_manifest, write_manifest
+from ..cache.recipes import load_recipe, recipe_file, save_recipe
+from ..errors import AotcError, BundleError
+from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, crossed_weights, read_manifest, write_manifest
 from ..models.base import load_model, memory_shortfall
 from ..trace import Variant
 from .assemble import assemble_manifest, model_record
@@ -84,7 +84,7 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
     if cache is not None and not options.shard:
         recipe = recipe_key(options, config_dict, model_class, backend)
         try:
-            done = _from_recipe(options, cache, recipe, t0)
+            done = _from_recipe(options, cache, recipe, backend, t0)
         except CacheError as e:  # a corrupt recipe: a miss, said so; the build writes a new one
             notes.append(f"{e}; built the normal way")
             done = None
@@ -146,7 +146,7 @@ def _check_all_cached(options: BuildOptions, keyed: list[KeyedGraph], cache: Loc
         )
 
 
-def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: float) -> BuildResult | None:
+def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend: Backend, t0: float) -> BuildResult | None:
     found = load_recipe(cache, recipe)
     if found is None:
         return None
@@ -159,6 +159,14 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, t0: floa
         for e, art in manifest.artifacts():
             entry = entries[art.cache_key]
             copy_files(entry.dir, tmp / art.dir, art.files)
+            # Each artifact's own record of its weights, as Bundle.load checks it: a recipe
+            # whose weights are crossed is a miss (CacheError), never a bundle.
+            try:
+                crossed = crossed_weights(e, backend.weight_paths(tmp / art.dir))
+            except BundleError as error:
+                crossed = str(error)
+            if crossed:
+                raise CacheError(f"{recipe_file(cache, recipe)}: {artifact_label(e.id, art.bucket, art.context)}: {crossed}")
             art.served = "cache"
             artifacts.append(BuiltArtifact(e.id, art.bucket, art.context, 0.0, entry.size, art, "cache"))
         manifest.model = model_record(options, loaded)  # this folder's, not the recipe's

@@ -143,7 +143,7 @@ class _Portable:
 def _portable(k: KeyedGraph) -> _Portable:
     item = _compilable(k)
     buf = io.BytesIO()
-    save_program(item.program, buf)  # the worker remakes the example inputs
+    save_program(item.program, buf, item.specs.weight_paths)  # the worker remakes the example inputs
     return _Portable(dataclasses.replace(item, program=None), buf.getvalue())
 
 

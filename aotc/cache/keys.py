@@ -34,7 +34,9 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
     payload = {
         "format": FORMAT_VERSION,
         "graph": graph.graph_module.code,
-        "inputs": [(i.kind, i.shape, i.dtype, i.stride, i.pad) for i in graph.inputs],
+        # A weight input's path (inside the instance, never a file's) is in the artifact (it
+        # records which tensor each weight input is), so graphs that differ only there differ.
+        "inputs": [(i.kind, i.shape, i.dtype, i.stride, i.pad, i.path) for i in graph.inputs],
         "outputs": [(o.shape, o.dtype) for o in graph.outputs],
         "backend": backend.name,
         "backend_version": backend.version() if version is None else version,

@@ -23,7 +23,7 @@ from ..backends import Backend, Program, get_backend
 from ..backends.base import Device, Weights
 from ..entry import entries_of
 from ..errors import BundleError
-from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, read_manifest
+from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, crossed_weights, read_manifest
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel
 from ..models.config import ConfigReader
@@ -91,6 +91,12 @@ class Bundle:
                 raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
             if load_artifacts:
                 _check_signature(path, entry, art, backend.signature(art_dir))
+                crossed = crossed_weights(entry, backend.weight_paths(art_dir))
+                if crossed:
+                    raise BundleError(
+                        f"{path / art.dir}: {crossed}, so {path / MANIFEST} would run it with other tensors than it was "
+                        "compiled for; the bundle was altered. Rebuild it (aotc build)"
+                    )
                 programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
         return cls(path, manifest, programs, time.perf_counter() - t0, backend, checked)
 

@@ -1,0 +1,412 @@
+"""The trust and nothing-lost probe: hostile and careless inputs, each run as a process of
+its own against an aotc source tree, and the outcomes counted per class.
+
+    python tools/probe.py [--tree DIR] [--only NAME ...] [--json FILE]
+
+--tree: the aotc source tree the cases run (as PYTHONPATH; default: this one). A
+worktree of an older commit gives that commit's counts, with the same cases. Each
+case builds from that tree what it needs (a tiny model, bundles, a cache), changes
+one thing, runs one aotc command in a new process, and is judged by what the
+process did and what is left on disk:
+
+    refused    exit 2, naming the culprit (the words the case expects)
+    handled    what the README documents happened (a reported miss, a right answer)
+    traceback  an uncaught exception, a signal (segfault, abort) or a crash
+    silent     accepted anyway, or a wrong result with exit 0
+    hang       still running at the case's time limit
+    lost       a file aotc did not make deleted or written, or a process left running
+
+The first three are said as the issue "Trust and nothing lost, round two" counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = ("refused", "handled")
+SLOW_CXX = "#!/bin/sh\ncase \" $* \" in *\" -o \"*) sleep 30 ;; esac\nexec g++ \"$@\"\n"
+BUILD = ["--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64"]
+
+
+@dataclass
+class Result:
+    rc: int | None  # None: timed out
+    out: str
+
+
+@dataclass
+class Case:
+    cls: str  # "trust" or "nothing lost"
+    name: str
+    run: Callable[["Probe", Path], str]  # the outcome
+
+
+class Probe:
+    def __init__(self, tree: Path, work: Path):
+        self.tree, self.work = tree, work
+        self.env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300", "HF_HUB_OFFLINE": "1"}
+        self._built: dict[str, Path] = {}
+
+    def aotc(self, *args, timeout: float = 300, env: dict | None = None) -> Result:
+        return self.python("from aotc.cli import app; app()", *args, timeout=timeout, env=env)
+
+    def python(self, code: str, *args, timeout: float = 300, env: dict | None = None) -> Result:
+        try:
+            r = subprocess.run([sys.executable, "-c", code, *map(str, args)], env={**self.env, **(env or {})}, cwd=self.work,
+                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return Result(None, "")
+        return Result(r.returncode, r.stdout + r.stderr)
+
+    # -- what the cases start from, made once by the tree under test --
+
+    def model(self, name: str = "tiny", **overrides) -> Path:
+        key = f"model-{name}"
+        if key not in self._built:
+            out = self.work / key
+            fields = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+            r = self.python(f"from aotc.models.tiny import write_tiny; write_tiny({str(out)!r}, layers=2, {fields})")
+            assert r.rc == 0, r.out
+            self._built[key] = out
+        return self._built[key]
+
+    def bundle(self, backend: str = "export", *extra: str, model: str = "tiny") -> Path:
+        key = f"bundle-{backend}-{model}-{'-'.join(extra)}"
+        if key not in self._built:
+            out = self.work / key
+            m = self.model() if model == "tiny" else self.model(model, rms_norm_eps=0.5)
+            r = self.aotc("build", m, "-o", out, "--backend", backend, *BUILD, *extra, "--cache-dir", self.work / f"cache-{key}")
+            assert r.rc == 0, r.out
+            self._built[key] = out
+        return self._built[key]
+
+
+def judge(r: Result, refused: str | None = None) -> str:
+    """The outcome of a process that should refuse (exit 2 naming `refused`)."""
+    if r.rc is None:
+        return "hang"
+    if r.rc < 0 or "Traceback (most recent call last)" in r.out or r.rc not in (0, 1, 2):
+        return "traceback"
+    if r.rc == 2 and (refused is None or refused.lower() in " ".join(r.out.split()).lower()):
+        return "refused"
+    return "silent" if r.rc == 0 else f"other (exit {r.rc}: {r.out.strip()[-200:]})"
+
+
+def edited(p: Probe, ws: Path, edit: Callable[[dict], None], backend: str = "export", *extra: str) -> Path:
+    """A copy of a bundle with its manifest edited."""
+    b = ws / "b"
+    shutil.copytree(p.bundle(backend, *extra), b)
+    manifest = json.loads((b / "manifest.json").read_text())
+    edit(manifest)
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    return b
+
+
+def entry(m: dict, prefix: str) -> dict:
+    return next(e for e in m["entries"] if e["id"].startswith(prefix))
+
+
+def cross(m: dict) -> None:
+    for e in m["entries"]:
+        paths = [w["path"] for w in e["weights"]]
+        if "mlp.gate_proj.weight" in paths:
+            i, j = paths.index("mlp.gate_proj.weight"), paths.index("mlp.up_proj.weight")
+            e["weights"][i]["path"], e["weights"][j]["path"] = paths[j], paths[i]
+
+
+def run_refused(p: Probe, b: Path, words: str) -> str:
+    return judge(p.aotc("run", b, "--prompt", "hi", "--max-new-tokens", "4"), words)
+
+
+def manifest_case(name: str, edit: Callable[[dict], None], words: str, *extra: str, backend: str = "export") -> Case:
+    return Case("trust", name, lambda p, ws: run_refused(p, edited(p, ws, edit, backend, *extra), words))
+
+
+def _set(path: str, value):
+    """An edit that sets manifest field `path` ("shapes.cache_slots", "entries.0.id")."""
+
+    def edit(m):
+        *parents, last = path.split(".")
+        for part in parents:
+            m = m[int(part)] if part.isdigit() else m[part]
+        m[int(last) if last.isdigit() else last] = value
+
+    return edit
+
+
+def _regions(edit: Callable[[list], None]):
+    def change(m):
+        kind = next(k for k, c in m["caches"].items() if c["regions"])
+        edit(m["caches"][kind]["regions"])
+
+    return change
+
+
+FP8 = ("--kv-cache-dtype", "fp8")
+
+# -- trust: a pinned bundle runs what was checked, every field checked against the others --
+
+RACE = """
+import sys, shutil, torch
+from pathlib import Path
+from aotc.backends.export import ExportBackend
+from aotc.runtime import Bundle
+from aotc.models.base import load_model
+bundle, other = Path(sys.argv[1]), Path(sys.argv[2])
+signature, swapped = ExportBackend.signature, []
+def swap_then_sign(self, art_dir):  # the moment after the hash check: a watcher of the folder swaps the file
+    if not swapped and Path(art_dir).as_posix().endswith("LMHead.forward/b1"):
+        shutil.copyfile(other / "entries/LMHead.forward/b1/program.pt2", bundle / "entries/LMHead.forward/b1/program.pt2")
+        swapped.append(1)
+    return signature(self, art_dir)
+ExportBackend.signature = swap_then_sign
+b = Bundle.load(bundle)
+loaded = load_model(b.manifest.model.source)
+h = torch.randn(1, 256)
+want = loaded.model.head(h)
+b.bind(loaded.model)
+got = loaded.model.head(h)
+sys.exit(0 if swapped and torch.allclose(got, want) else 3)
+"""
+
+
+def race(p: Probe, ws: Path) -> str:
+    b = ws / "b"
+    shutil.copytree(p.bundle(), b)
+    r = p.python(RACE, b, p.bundle(model="other"))
+    return "handled" if r.rc == 0 else "silent" if r.rc == 3 else judge(r)
+
+
+def crossed(backend: str) -> Case:
+    return manifest_case(f"crossed weights ({backend})", cross, "the artifact takes weight", backend=backend)
+
+
+def poisoned_recipe(edit: Callable[[dict], None], name: str) -> Case:
+    def run(p: Probe, ws: Path) -> str:
+        m, cache = p.model(), ws / "cache"
+        r = p.aotc("build", m, "-o", ws / "a", "--backend", "export", *BUILD, "--cache-dir", cache)
+        assert r.rc == 0, r.out
+        (recipe,) = (cache / "builds").glob("*.json")
+        manifest = json.loads(recipe.read_text())
+        edit(manifest)
+        recipe.write_text(json.dumps(manifest))
+        r = p.aotc("build", m, "-o", ws / "b", "--backend", "export", *BUILD, "--cache-dir", cache)
+        if r.rc != 0:
+            return judge(r)
+        # The bundle it wrote must be the model's (a bad recipe is a miss, then a normal
+        # build): --check compares every token with eager.
+        check = p.aotc("run", ws / "b", "--prompt", "hello", "--max-new-tokens", "8", "--check")
+        return "handled" if check.rc == 0 else "silent"
+
+    return Case("trust", f"poisoned recipe: {name}", run)
+
+
+TRUST = [
+    Case("trust", "a program swapped right after its hash check", race),
+    crossed("export"),
+    crossed("inductor"),
+    crossed("xla"),
+    poisoned_recipe(cross, "crossed weights"),
+    poisoned_recipe(_set("shapes.cache_slots", 0), "cache_slots 0"),
+    poisoned_recipe(lambda m: entry(m, "LMHead").update(cls="os.system"), "entry cls os.system"),
+    manifest_case("cache regions overlap", _regions(lambda rs: rs[1].update(start=rs[0]["start"])), "regions", *FP8),
+    manifest_case("a cache region past the row", _regions(lambda rs: rs[-1].update(end=rs[-1]["end"] + 64)), "region", *FP8),
+    manifest_case("a cache region of an unknown dtype", _regions(lambda rs: rs[0].update(dtype="float7")), "float7", *FP8),
+    manifest_case("a cache shape", lambda m: m["caches"]["k"]["shape"].__setitem__(1, 7), "shape"),
+    manifest_case("an output shape", lambda m: entry(m, "LMHead")["artifacts"][0]["outputs"][0]["shape"].__setitem__(0, 9), "shape"),
+    manifest_case("an input kind", lambda m: entry(m, "LMHead")["artifacts"][0]["inputs"][0].update(kind="weight"), "inputs"),
+    manifest_case("an extra key in dims", lambda m: entry(m, "LMHead")["artifacts"][0]["dims"].update(rows=3), "dims"),
+    manifest_case("context buckets unsorted", _set("shapes.context", [64, 32]), "context"),
+    manifest_case("context buckets duplicated", _set("shapes.context", [64, 64]), "context"),
+    manifest_case("a context bucket above max_seq", _set("shapes.context", [128]), "context"),
+    manifest_case("batch buckets unsorted", _set("shapes.batch", [2, 1]), "batch"),
+    manifest_case("chunk buckets duplicated", _set("shapes.chunk", [16, 16]), "chunk"),
+    manifest_case("cache_slots 0", _set("shapes.cache_slots", 0), "cache_slots"),
+    manifest_case("an entry twice", lambda m: m["entries"].append(m["entries"][0]), "names two entries"),
+    manifest_case("an entry cls os.system", lambda m: entry(m, "LMHead").update(cls="os.system"), "os.system"),
+    manifest_case("an entry id ../../x", lambda m: entry(m, "LMHead").update(id="../../x"), "../../x"),
+    manifest_case("fp8_max 0", _set("model.kv_cache.fp8_max", 0.0), "fp8_max", *FP8),
+    manifest_case("fp8_max negative", _set("model.kv_cache.fp8_max", -448.0), "fp8_max", *FP8),
+    manifest_case("a cache dtype unknown", lambda m: m["caches"]["k"].update(dtype="float7"), "float7"),
+    manifest_case("an instance path not a module path", lambda m: entry(m, "LMHead")["instances"].__setitem__(0, "__class__.__init__"), "which the model does not have"),
+]
+
+# -- nothing lost: aotc deletes only what it made, writes nothing into a model folder --
+
+
+def _tree_state(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*") if f.is_file() or f.is_dir()}
+
+
+def foreign_folder(ws: Path) -> Path:
+    """A folder aotc did not make, shaped like a cache: what prune used to delete."""
+    d = ws / "mine"
+    (d / "tmp" / "notes").mkdir(parents=True)
+    (d / "tmp" / "notes" / "draft.txt").write_text("mine")
+    (d / "entries" / "ab" / "abc").mkdir(parents=True)
+    (d / "entries" / "ab" / "abc" / "record.json").write_text("{}")
+    (d / "photos").mkdir()
+    (d / "photos" / "a.jpg").write_bytes(b"\xff\xd8")
+    old = time.time() - 7200
+    for f in d.rglob("*"):
+        os.utime(f, (old, old))
+    return d
+
+
+def prune(p: Probe, ws: Path) -> str:
+    d = foreign_folder(ws)
+    before = _tree_state(d)
+    r = p.aotc("cache", "prune", "--cache-dir", d, "--max-size", "0")
+    if _tree_state(d) != before:
+        return "lost"
+    return judge(r, "not a cache aotc made") if r.rc != 0 else "silent"
+
+
+def build_into(where: Callable[[Path, Path], Path], words: str) -> Callable:
+    def run(p: Probe, ws: Path) -> str:
+        m = ws / "m"
+        shutil.copytree(p.model(), m)
+        target = where(m, ws)
+        before = _tree_state(m)
+        r = p.aotc("build", m, "-o", ws / "b", "--backend", "export", *BUILD, "--cache-dir", target)
+        if _tree_state(m) != before:
+            return "lost"
+        return judge(r, words)
+
+    return run
+
+
+def build_foreign(p: Probe, ws: Path) -> str:
+    d = foreign_folder(ws)
+    before = _tree_state(d)
+    r = p.aotc("build", p.model(), "-o", ws / "b", "--backend", "export", *BUILD, "--cache-dir", d)
+    if _tree_state(d) != before:
+        return "lost"
+    return "handled" if r.rc == 0 and "building without it" in " ".join(r.out.split()) else judge(r)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tagged(tag: str) -> list[int]:
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"AOTC_PROBE_RUN={tag}".encode() in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                found.append(int(environ.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+def interrupted(how: str) -> Callable:
+    def run(p: Probe, ws: Path) -> str:
+        tag = uuid.uuid4().hex
+        cxx = ws / "slow-cxx"
+        cxx.write_text(SLOW_CXX)
+        cxx.chmod(0o755)
+        argv = [sys.executable, "-c", "from aotc.cli import app; app()", "build", str(p.model()), "--backend", "inductor", "--jobs", "2", *BUILD,
+                "--cache-dir", str(ws / "cache"), "-o", str(ws / "b")]  # fmt: skip
+        # SIGINT as a terminal delivers it: a probe started in the background (nohup ... &)
+        # would hand the build an ignored SIGINT, and Python then never raises KeyboardInterrupt.
+        restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        proc = subprocess.Popen(argv, env={**p.env, "AOTC_PROBE_RUN": tag, "CXX": str(cxx)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=restore)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:  # both workers started, a compiler running
+            names, workers = set(), 0
+            for pid in _tagged(tag):
+                try:
+                    names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+                    workers += b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    pass
+            if "slow-cxx" in names and workers >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            proc.kill()
+            return "other (the build never ran its compiler)"
+        proc.send_signal(getattr(signal, how))
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return "hang"
+        time.sleep(1)
+        left = _tagged(tag)
+        for pid in left:  # the probe cleans up after a case that failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return "lost" if left else "handled"
+
+    return run
+
+
+NOTHING_LOST = [
+    Case("nothing lost", "prune of a folder aotc did not make", prune),
+    Case("nothing lost", "build --cache-dir the model folder", build_into(lambda m, ws: m, "model folder")),
+    Case("nothing lost", "build --cache-dir inside the model folder", build_into(lambda m, ws: m / "cache", "model folder")),
+    Case("nothing lost", "build --cache-dir around the model folder", build_into(lambda m, ws: ws, "model folder")),
+    Case("nothing lost", "build --cache-dir a folder aotc did not make", build_foreign),
+    Case("nothing lost", "SIGINT of an inductor --jobs 2 build", interrupted("SIGINT")),
+    Case("nothing lost", "SIGTERM of an inductor --jobs 2 build", interrupted("SIGTERM")),
+    Case("nothing lost", "SIGKILL of an inductor --jobs 2 build", interrupted("SIGKILL")),
+]
+CASES = TRUST + NOTHING_LOST
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the aotc source tree to probe (default: this one)")
+    parser.add_argument("--only", nargs="*", default=[], help="run the cases whose names start with these")
+    parser.add_argument("--json", type=Path, help="write each case's outcome here")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or any(c.name.startswith(o) for o in args.only)]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="aotc-probe-") as tmp:
+        probe = Probe(args.tree.resolve(), Path(tmp))
+        for i, case in enumerate(cases):
+            ws = Path(tmp) / f"case{i}"
+            ws.mkdir()
+            t0 = time.perf_counter()
+            try:
+                outcome = case.run(probe, ws)
+            except AssertionError as e:  # the tree could not make what the case starts from
+                outcome = f"other (setup: {str(e)[-200:]})"
+            results.append({"class": case.cls, "case": case.name, "outcome": outcome, "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"{case.cls:13} {case.name:48} {outcome}", flush=True)
+            shutil.rmtree(ws, ignore_errors=True)
+    print()
+    for cls in ("trust", "nothing lost"):
+        counts = Counter(r["outcome"] if r["outcome"] in ("refused", "handled", "traceback", "silent", "hang", "lost") else "other" for r in results if r["class"] == cls)
+        print(f"{cls:13} " + "  ".join(f"{k} {counts[k]}" for k in ("refused", "handled", "traceback", "silent", "hang", "lost", "other")))
+    if args.json:
+        tmp_json = args.json.with_suffix(".tmp")
+        tmp_json.write_text(json.dumps({"tree": str(args.tree), "results": results}, indent=1) + "\n")
+        os.replace(tmp_json, args.json)
+    bad = [r for r in results if r["outcome"] not in GOOD]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
