@@ -320,13 +320,19 @@ class JaxProgram(Program):
         one_device(XlaBackend.name, rank, world_size)
         device = self.backend.device_for(rank, world_size)
         placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
-        named = [{path: w} for path, w in zip(self.weights, placed)]  # the module's input tree (jitted)
-        run = jax.jit(self.exported.call, donate_argnums=tuple(self.mutated))
+        exported, paths = self.exported, self.weights
+
+        def flat_call(*flat):
+            # The module's input tree (jitted) is rebuilt once, at trace time: each call then
+            # passes flat arrays, as fast as a flat tree (dicts would be flattened per call).
+            return exported.call(*[{p: w} for p, w in zip(paths, flat)], *flat[len(paths) :])
+
+        run = jax.jit(flat_call, donate_argnums=tuple(self.mutated))
         # The written caches, by their position among the method's arguments.
         written = [position - len(placed) for position in self.mutated]
 
         def step(args: list, call: int = 0) -> list:
-            outs = run(*named, *[a.value if isinstance(a, DeviceBuffer) else a for a in args])
+            outs = run(*placed, *[a.value if isinstance(a, DeviceBuffer) else a for a in args])
             for at, new in zip(written, outs):
                 args[at].value = new  # the donated buffer, updated in place
             return list(outs[len(written) :])
