@@ -270,7 +270,8 @@ def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_pa
 def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
     """A package's inputs carry no names, so each records its weight paths in its metadata,
     which the loader's get_metadata() reads: gate_proj and up_proj crossed in the manifest
-    are refused; so is a package whose metadata files disagree (whichever the loader reads)."""
+    are refused; so is a package whose metadata files disagree (whichever the loader reads),
+    or that records none."""
     import zipfile
 
     bundle = tmp_path / "crossed"
@@ -290,6 +291,17 @@ def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
             z.writestr(name, data)
     rehash(bundle)
     with pytest.raises(BundleError, match=r"LMHead.forward/b\d+/model.pt2: its metadata files record different weights"):
+        Bundle.load(bundle)
+    # No record at all (both files without the key): refused, naming what is missing.
+    for name in [n for n in members if n.endswith("_metadata.json")]:
+        metadata = json.loads(members[name])
+        metadata.pop("aotc_weights")
+        members[name] = json.dumps(metadata).encode()
+    with zipfile.ZipFile(package, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    rehash(bundle)
+    with pytest.raises(BundleError, match=r"model.pt2: its aotc_weights metadata \(which tensor each weight input is\) is None, not a list of weight paths"):
         Bundle.load(bundle)
 
 
