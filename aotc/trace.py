@@ -296,18 +296,14 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | Non
     except Exception as e:  # export's errors are many types; all mean the same to the user
         raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
     export_s = time.perf_counter() - t0
-    gm = program.graph_module
-    reports = run_pipeline(gm, pipeline_for(backend))
-    regions = gm.meta.get("aotc_regions", {})
-    if regions:
-        program = _with_new_inputs(program)
-        gm = program.graph_module
+    result = run_pipeline(program, pipeline_for(backend))
+    program, reports, gm = result.program, result.reports, result.program.graph_module
     if needs_static(backend):
         _check_static(gm, f"{variant.entry_id} (bucket {bucket})", backend.name)
     _drop_stale_ranges(program)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # A split input (SplitDtypeRegions) is one placeholder per region, in its place.
-    given = [(name, r) for i, name in enumerate(names + list(spec.params)) for r in regions.get(i, [None])]
+    # A split input (SplitDtypeRegions) is one placeholder per region, in its place: its tag is the region.
+    given = [((names + list(spec.params))[i], region) for i, region in result.inputs]
     if len(placeholders) != len(given):
         raise TraceError(f"{variant.entry_id}: export produced {len(placeholders)} inputs, expected {len(given)}")
     inputs = []
@@ -336,30 +332,6 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | Non
     outputs = _outputs(gm, variant, bucket)
     _check_mutations(gm, inputs, variant)
     return TracedGraph(variant, bucket, program, inputs, outputs, reports, export_s)
-
-
-def _with_new_inputs(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """The program with its signature made from its graph's placeholders again, after a
-    pass replaced some: a new placeholder is a user input (aotc's weights are too)."""
-    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
-    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
-    from torch.utils import _pytree as pytree
-
-    gm = program.graph_module
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    known = {s.arg.name: s for s in program.graph_signature.input_specs}
-    specs = [known.get(n.name) or InputSpec(InputKind.USER_INPUT, TensorArgument(n.name), None) for n in placeholders]
-    args = [s.arg for s in specs if s.kind == InputKind.USER_INPUT]
-    signature = ExportGraphSignature(specs, list(program.graph_signature.output_specs))
-    top = program.module_call_graph[0]
-    in_spec = pytree.tree_flatten((tuple(range(len(args))), {}))[1]
-    call = ModuleCallSignature(args, top.signature.outputs, in_spec, top.signature.out_spec)
-    calls = [ModuleCallEntry(top.fqn, call)] + list(program.module_call_graph[1:])
-    return torch.export.ExportedProgram(
-        gm, gm.graph, signature, program.state_dict, program.range_constraints, calls,
-        (tuple(n.meta["val"] for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), {}), program.constants,
-        verifiers=program.verifiers,
-    )
 
 
 def _record_frames_of(module: nn.Module) -> None:

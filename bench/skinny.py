@@ -39,7 +39,8 @@ from perf import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
 from aotc import quant  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.passes.decode_fp8_bits import MASK  # noqa: E402
-from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls  # noqa: E402
+from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears  # noqa: E402
+from aotc.passes.rewrite_skinny_matmuls import RewriteSkinnyMatmuls  # noqa: E402
 
 
 class Linears(torch.nn.Module):

@@ -17,7 +17,6 @@ from aotc.models.base import load_model
 from aotc.passes import pipeline_for, run_pipeline
 from aotc.passes.base import alias_root
 from aotc.runtime import Bundle
-from aotc.trace import _with_new_inputs
 
 from .conftest import FP8_CACHE_ATOL, assert_generation_matches_eager
 
@@ -97,8 +96,8 @@ def _inputs():
 
 def _split():
     program = torch.export.export(PackedCache(), _inputs(), strict=False)
-    reports = run_pipeline(program.graph_module, pipeline_for(InductorBackend()))
-    return _with_new_inputs(program), reports
+    result = run_pipeline(program, pipeline_for(InductorBackend()))
+    return result.program, result.reports, result.inputs
 
 
 def _regions(cache):
@@ -106,10 +105,11 @@ def _regions(cache):
 
 
 def test_split_structure_one_input_per_region_and_no_dtype_view_of_an_input():
-    program, reports = _split()
+    program, reports, inputs = _split()
     gm = program.graph_module
     assert dict((r.name, r.changes) for r in reports)["split_dtype_regions"] == 3
-    assert gm.meta["aotc_regions"] == {3: [(0, A), (A, B), (B, R)]}
+    assert inputs == [(0, None), (1, None), (2, None), (3, (0, A)), (3, (A, B)), (3, (B, R))]
+    assert not [k for k in gm.meta if str(k).startswith("aotc_")]  # the split is the result's, not the graph's
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert [(n.meta["val"].dtype, tuple(n.meta["val"].shape)) for n in placeholders[3:]] == [
         (torch.float8_e4m3fn, (3, 10, A)), (torch.float32, (3, 10, 1)), (torch.bfloat16, (3, 10, (R - B) // 2)),
@@ -125,7 +125,7 @@ def test_split_structure_one_input_per_region_and_no_dtype_view_of_an_input():
 def test_split_graph_on_separate_allocations_matches_eager_on_the_packed_buffer():
     x, slots, pos, cache = _inputs()
     want = PackedCache()(x, slots, pos, cache)
-    program, _ = _split()
+    program, _, _ = _split()
     regions = _regions(torch.zeros_like(cache))
     got = program.module()(x, slots, pos, *regions)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -149,8 +149,8 @@ def test_a_cache_read_through_its_first_positions_is_split_below_them():
     eager = cache.clone()
     want = FirstPositions()(x, slots, pos, eager)
     program = torch.export.export(FirstPositions(), _inputs(), strict=False)
-    reports = run_pipeline(program.graph_module, pipeline_for(get_backend_class("xla")()))
-    program = _with_new_inputs(program)
+    result = run_pipeline(program, pipeline_for(get_backend_class("xla")()))
+    program, reports = result.program, result.reports
     gm = program.graph_module
     assert dict((r.name, r.changes) for r in reports)["split_dtype_regions"] == 3
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][3:]
@@ -173,7 +173,7 @@ def test_unsplit_regions_sharing_a_storage_fail_in_aot_autograd_where_separate_a
 
     # aot_autograd itself, as torch.compile and AOTInductor run it (not through dynamo,
     # which the xla backend's torchax, once imported in this process, breaks)
-    program, _ = _split()
+    program, _, _ = _split()
     x, slots, pos, cache = _inputs()
     views = [cache[..., :A].view(torch.float8_e4m3fn), cache[..., A:B].view(torch.float32), cache[..., B:].view(torch.bfloat16)]
     with pytest.raises(AssertionError, match="input mutations on views with different dtypes"):
@@ -188,7 +188,7 @@ def test_without_the_split_a_write_through_a_dtype_view_copies_the_whole_buffer(
     program = torch.export.export(PackedCache(), _inputs(), strict=False).run_decompositions()
     assert list(program.graph_signature.user_inputs_to_mutate.values()) == ["cache"]
     assert any(n.target is torch.ops.aten.slice_scatter.default for n in program.graph_module.graph.nodes)
-    program, _ = _split()
+    program, _, _ = _split()
     decomposed = program.run_decompositions()
     assert not any(n.target is torch.ops.aten.slice_scatter.default for n in decomposed.graph_module.graph.nodes)
 
@@ -209,10 +209,10 @@ def test_a_write_through_a_view_of_a_region_lands_where_eager_writes_it():
     packed = cache.clone()
     want = ViewWrite()(x, slots, packed)
     program = torch.export.export(ViewWrite(), (x, slots, cache), strict=False)
-    reports = run_pipeline(program.graph_module, pipeline_for(None))
-    assert [(r.name, r.changes) for r in reports] == [("split_dtype_regions", 2), ("reslice_cache_views", 2)]
+    result = run_pipeline(program, pipeline_for(None))
+    assert [(r.name, r.changes) for r in result.reports] == [("split_dtype_regions", 2), ("reslice_cache_views", 2)]
     regions = [torch.zeros(3, 5, 2), torch.zeros(3, 5, 1, dtype=torch.int32)]
-    got = _with_new_inputs(program).module()(x, slots, *regions)
+    got = result.program.module()(x, slots, *regions)
     assert torch.equal(got, want)
     assert torch.equal(regions[0], packed[..., :8].view(torch.float32)) and torch.equal(regions[1], packed[..., 8:].view(torch.int32))
 
@@ -229,8 +229,9 @@ def test_the_values_downstream_of_the_regions_are_recomputed(case):
         module, args = ViewWrite(), (torch.randn(2, 2), torch.tensor([0, 2]), torch.zeros(3, 5, 12, dtype=torch.uint8))
     else:
         module, args = TwoLeadingSlices(), (torch.randn(2, 1), torch.zeros(3, 5, 8, dtype=torch.uint8))
-    gm = torch.export.export(module, args, strict=False).graph_module
-    assert SplitDtypeRegions()(gm).changes == 2
+    result = SplitDtypeRegions()(torch.export.export(module, args, strict=False))
+    assert result.changes == 2
+    gm = result.program.graph_module
     mode = next(fake_val(n).fake_mode for n in gm.graph.nodes if n.op == "placeholder")
     fresh = {}
     for node in gm.graph.nodes:
@@ -270,8 +271,9 @@ def test_a_chain_of_two_leading_slices_is_kept_for_each_region():
     want_cache = cache.clone()
     want = TwoLeadingSlices()(x, want_cache)
     program = torch.export.export(TwoLeadingSlices(), (x, cache), strict=False)
-    assert SplitDtypeRegions()(program.graph_module).changes == 2
-    program = _with_new_inputs(program)
+    result = SplitDtypeRegions()(program)
+    assert result.changes == 2
+    program = result.program
     regions = [torch.zeros(3, 5, 1), torch.zeros(3, 5, 1, dtype=torch.int32)]
     torch.testing.assert_close(program.module()(x, *regions), want)
     assert torch.equal(regions[0], want_cache[..., :4].view(torch.float32))
@@ -295,9 +297,9 @@ class TwoDtypes(nn.Module):
 
 def test_inputs_read_as_their_own_dtype_are_left_alone():
     program = torch.export.export(OneDtype(), (torch.zeros(3, 4, dtype=torch.uint8), torch.zeros(3, 12, dtype=torch.uint8)), strict=False)
-    reports = run_pipeline(program.graph_module, pipeline_for(None))
-    assert dict((r.name, r.changes) for r in reports)["split_dtype_regions"] == 0
-    assert "aotc_regions" not in program.graph_module.meta
+    result = run_pipeline(program, pipeline_for(None))
+    assert dict((r.name, r.changes) for r in result.reports)["split_dtype_regions"] == 0
+    assert result.program is program and result.inputs == [(0, None), (1, None)]
 
 
 @pytest.mark.parametrize("module, message", [
@@ -308,7 +310,7 @@ def test_inputs_read_as_their_own_dtype_are_left_alone():
 def test_regions_that_overlap_or_change_dtype_are_errors(module, message):
     program = torch.export.export(module, (torch.zeros(3), torch.zeros(3, 12, dtype=torch.uint8)), strict=False)
     with pytest.raises(TraceError, match=message):
-        run_pipeline(program.graph_module, pipeline_for(None))
+        run_pipeline(program, pipeline_for(None))
 
 
 # -- models --------------------------------------------------------------------------

@@ -54,6 +54,7 @@ TARGETS = {
     "aotc/runtime/threads.py": ["tests/test_threads.py"],
     "aotc/chat.py": ["tests/test_chat.py", "tests/test_real_folders.py", "-k", "chat"],
     "aotc/passes/rewrite_skinny_linears.py": ["tests/passes/test_rewrite_skinny_linears.py"],
+    "aotc/passes/rewrite_skinny_matmuls.py": ["tests/passes/test_rewrite_skinny_matmuls.py"],
     "aotc/backends/export_archive.py": [
         "tests/test_export_archive.py",
         "tests/test_safety.py::test_export_program_that_calls_python_or_unpickles_is_refused_and_never_runs",

@@ -219,7 +219,8 @@ class InductorBackend(Backend):
             return []  # accelerators want the matmul, and convert fp8 themselves
         # CPU code is bound by weight reads in decode.
         from ..passes.decode_fp8_bits import DecodeFp8Bits
-        from ..passes.rewrite_skinny_linears import RewriteSkinnyLinears, RewriteSkinnyMatmuls
+        from ..passes.rewrite_skinny_linears import RewriteSkinnyLinears
+        from ..passes.rewrite_skinny_matmuls import RewriteSkinnyMatmuls
 
         return [RewriteSkinnyLinears(), RewriteSkinnyMatmuls(), DecodeFp8Bits()]
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torch import fx
+import torch
 
 from ..format import PassIdentity, PassRecord
-from .base import GraphPass, PassResult
+from .base import Pass, ProgramPass
 from .reslice_cache_views import ResliceCacheViews
 from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
@@ -15,7 +16,7 @@ from .strip_data_dependent import StripDataDependent
 if TYPE_CHECKING:
     from ..backends import Backend
 
-PIPELINE: list[GraphPass] = [
+PIPELINE: list[Pass] = [
     # Packed caches become one input per dtype region: no input is viewed as
     # another dtype after this, so the writes into it are plain views to reslice.
     SplitDtypeRegions(),
@@ -28,7 +29,7 @@ PIPELINE: list[GraphPass] = [
 # (Backend.static_shapes: no nonzero, no .item()): the passes after it then see
 # static shapes only (ResliceCacheViews refuses views of data-dependent size).
 # The others keep unbacked graphs (AOTInductor compiles them).
-STATIC_PASSES: list[GraphPass] = [StripDataDependent()]
+STATIC_PASSES: list[Pass] = [StripDataDependent()]
 
 # After the common pipeline: the passes that pay off on one backend only
 # (Backend.passes(); e.g. inductor on the CPU, whose decode is bound by weight reads).
@@ -39,7 +40,7 @@ def needs_static(backend: "Backend | None") -> bool:
     return backend is not None and backend.static_shapes
 
 
-def pipeline_for(backend: "Backend | None") -> list[GraphPass]:
+def pipeline_for(backend: "Backend | None") -> list[Pass]:
     """The static-shape passes (for a backend that needs them), the common pipeline,
     then the backend's own passes; without a backend, the common pipeline."""
     if backend is None:
@@ -47,12 +48,36 @@ def pipeline_for(backend: "Backend | None") -> list[GraphPass]:
     return (STATIC_PASSES if backend.static_shapes else []) + PIPELINE + backend.passes()
 
 
-def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass] | None = None) -> list[PassRecord]:
+@dataclass
+class PipelineResult:
+    program: torch.export.ExportedProgram
+    reports: list[PassRecord]
+    # For each input of `program`, in order: (its position among the exported program's
+    # inputs, the tag of the ProgramPass that put it there, or None: the input as exported).
+    inputs: list[tuple[int, object]]
+
+
+def run_pipeline(program: torch.export.ExportedProgram, passes: list[Pass] | None = None) -> PipelineResult:
+    """Run the passes in order (default: the common pipeline) on the program. A
+    ProgramPass hands back a re-signed program; a GraphPass must leave the inputs be."""
     reports = []
+    inputs: list[tuple[int, object]] = [(i, None) for i in range(len(_placeholders(program)))]
     for p in PIPELINE if passes is None else passes:
-        result: PassResult = p(gm)
-        reports.append(PassRecord(p.name, p.uuid(), result.changes))
-    return reports
+        if isinstance(p, ProgramPass):
+            result = p(program)
+            program, changes = result.program, result.changes
+            inputs = [(at, tag) for i, (at, old) in enumerate(inputs) for tag in result.replaced.get(i, [old])]
+        else:
+            before = _placeholders(program)
+            changes = p(program.graph_module).changes
+            if _placeholders(program) != before:  # the program's signature would no longer be its graph's
+                raise RuntimeError(f"pass {p.name} changed the graph's inputs; a pass that does is a ProgramPass")
+        reports.append(PassRecord(p.name, p.uuid(), changes))
+    return PipelineResult(program, reports, inputs)
+
+
+def _placeholders(program: torch.export.ExportedProgram) -> list:
+    return [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
 
 
 def pipeline_identity(backend: "Backend | None" = None) -> list[PassIdentity]:

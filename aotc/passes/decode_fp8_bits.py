@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .base import GraphPass, fake_val, insert_call
+from .base import GraphPass, fake_val, insert_call, rewrite_each
 
 aten = torch.ops.aten
 MASK = 0x87F00000 - 2**32  # bit 31 and bits 26..20, as an int32
@@ -44,20 +44,14 @@ class DecodeFp8Bits(GraphPass):
     name = "decode_fp8_bits"
 
     def run(self, gm: fx.GraphModule) -> int:
-        changes = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not aten.to.dtype or node.args[1] != torch.float32:
-                continue
+        g = gm.graph
+
+        def decode(node):
             src = node.args[0]
-            if not isinstance(src, fx.Node) or fake_val(src).dtype != torch.float8_e4m3fn:
-                continue
-            g = gm.graph
-            with g.inserting_before(node):
-                i = insert_call(g, aten.to.dtype, insert_call(g, aten.view.dtype, src, torch.int8), torch.int32)
-                bits = insert_call(g, aten.bitwise_and.Scalar, insert_call(g, aten.bitwise_left_shift.Tensor_Scalar, i, 20), MASK)
-                out = insert_call(g, aten.mul.Tensor, insert_call(g, aten.view.dtype, bits, torch.float32), 2.0**120)
-            out.meta["stack_trace"] = node.meta.get("stack_trace")
-            node.replace_all_uses_with(out)
-            g.erase_node(node)
-            changes += 1
-        return changes
+            if node.args[1] != torch.float32 or not isinstance(src, fx.Node) or fake_val(src).dtype != torch.float8_e4m3fn:
+                return None
+            i = insert_call(g, aten.to.dtype, insert_call(g, aten.view.dtype, src, torch.int8), torch.int32)
+            bits = insert_call(g, aten.bitwise_and.Scalar, insert_call(g, aten.bitwise_left_shift.Tensor_Scalar, i, 20), MASK)
+            return insert_call(g, aten.mul.Tensor, insert_call(g, aten.view.dtype, bits, torch.float32), 2.0**120)
+
+        return rewrite_each(gm, aten.to.dtype, decode)

@@ -33,6 +33,7 @@ adds per 16 weights) runs below memory speed, at 15 to 17 GB/s for K of
 (`cpp.enable_floating_point_contract_flag`) did not change it.
 
 Cases handled: `aten.linear(x, W, b)` with x of static shape [M, K], M <= 8.
+(rewrite_skinny_matmuls does the same for decode attention's matmuls.)
 
 Before:
     linear = aten.linear.default(x, w, b)        # x: [2, 1024], w: [2816, 1024]
@@ -47,19 +48,6 @@ After:
     stack = aten.stack.default([sum_1, sum_2], 0)
     add = aten.add.Tensor(stack, b)
 
-`RewriteSkinnyMatmuls` does the same for decode attention's batched matmuls,
-q @ k^T and p @ v: `aten.matmul(a, b)` of rank >= 3 where a has 2 to 4 rows
-(the query heads of one KV head), each row of the output becoming
-sum(a[..., m, :, None] * b, -2), so that the cache is read once for all of a
-KV head's queries. `python bench/skinny.py`, 8 layers of 4 KV heads x 4096
-positions x 64 (67 MB of k, v), attention ms against MKL's batched matmuls:
-
-    query rows   MKL     this pass
-    1            2.52    2.84   (left to MKL)
-    2            3.45    3.17
-    4            5.54    4.01
-    8            6.64    6.94   (left to MKL)
-
 Only for backends that run on the CPU through Inductor: on accelerators a
 matmul engine wants the matmul.
 """
@@ -69,16 +57,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .base import GraphPass, fake_val, insert_call
+from .base import GraphPass, fake_val, insert_call, per_row, rewrite_each
 
 aten = torch.ops.aten
 # Up to 8 rows: one accumulator register per row (16 where Inductor fuses two
 # linears that share x, as gate and up) fits AVX-512's 32 registers. Wider
 # inputs are prefill chunks, for which the GEMM is compute-bound anyway.
 MAX_ROWS = 8
-# Attention's rows (query heads per KV head): where the rewrite beat MKL's batched
-# matmul in bench/skinny.py (1 row and 8 rows did not).
-MATMUL_ROWS = range(2, 5)
 
 
 class RewriteSkinnyLinears(GraphPass):
@@ -95,50 +80,3 @@ class RewriteSkinnyLinears(GraphPass):
             return out if bias is None else insert_call(gm.graph, aten.add.Tensor, out, bias)
 
         return rewrite_each(gm, aten.linear.default, rewrite)
-
-
-class RewriteSkinnyMatmuls(GraphPass):
-    name = "rewrite_skinny_matmuls"
-
-    def run(self, gm: fx.GraphModule) -> int:
-        def rewrite(node):
-            a, b = node.args[0], node.args[1]
-            av, bv = fake_val(a), fake_val(b)
-            if av.dim() < 3 or bv.dim() != av.dim() or av.shape[-2] not in MATMUL_ROWS:
-                return None
-            # Row m: a[..., m, :] as a column against b, summed over K: [..., N]
-            return per_row(gm.graph, a, -2, lambda row: insert_call(
-                gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, insert_call(gm.graph, aten.unsqueeze.default, row, -1), b), [-2]
-            ))  # fmt: skip
-
-        return rewrite_each(gm, aten.matmul.default, rewrite)
-
-
-def rewrite_each(gm: fx.GraphModule, target, rewrite) -> int:
-    """Replace each call of `target` with what rewrite(node) inserts before it (None:
-    leave it); the number replaced."""
-    changes = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not target:
-            continue
-        with gm.graph.inserting_before(node):
-            out = rewrite(node)
-        if out is None:
-            continue
-        out.meta["stack_trace"] = node.meta.get("stack_trace")
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        changes += 1
-    return changes
-
-
-def per_row(graph: fx.Graph, x: fx.Node, dim: int, row_out) -> fx.Node:
-    """Stack row_out(x's row m) for each row m along `dim`, reading the rows from memory:
-    an identity as_strided of x first, so that Inductor stores it (see above)."""
-    xv = fake_val(x)
-    if not xv.is_contiguous():  # a view (a transpose): copied, so that the strides below are the copy's own
-        x = insert_call(graph, aten.clone.default, x, memory_format=torch.contiguous_format)
-        xv = fake_val(x)
-    x = insert_call(graph, aten.as_strided.default, x, list(xv.shape), list(xv.stride()), xv.storage_offset())
-    rows = [row_out(insert_call(graph, aten.select.int, x, dim, m)) for m in range(xv.shape[dim])]
-    return insert_call(graph, aten.stack.default, rows, dim)

@@ -29,8 +29,9 @@ After:
 An input is split when every use is a slice of its last dim (step 1),
 viewed as at most one dtype, and at least one view changes the dtype. Regions
 that overlap, or a region read both as a whole and in another dtype, are
-reported with their source line. `gm.meta["aotc_regions"]` records the split:
-{input position: [(byte start, byte end), ...]}, in byte order.
+reported with their source line. The pass result's `replaced` is the split:
+{input position: [(byte start, byte end), ...]}, in byte order, one region per
+input now in the packed input's place (ProgramPass re-signs the program).
 
 An input whose one use is a chain of slices of its other dims (a whole cache
 that the graph reads through its first positions: a context bucket on a
@@ -51,15 +52,15 @@ import torch
 from torch import fx
 
 from ..errors import TraceError
-from .base import GraphPass, fake_val, is_inplace_op, source_line
+from .base import ProgramPass, fake_val, is_inplace_op, source_line
 
 aten = torch.ops.aten
 
 
-class SplitDtypeRegions(GraphPass):
+class SplitDtypeRegions(ProgramPass):
     name = "split_dtype_regions"
 
-    def run(self, gm: fx.GraphModule) -> int:
+    def run(self, gm: fx.GraphModule) -> dict[int, list[tuple[int, int]]]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         split: dict[int, list[tuple[int, int]]] = {}
         changed: set[fx.Node] = set()
@@ -72,8 +73,7 @@ class SplitDtypeRegions(GraphPass):
             changed |= _replace(gm, node, regions, chain)
         if split:
             _refresh(gm, changed)
-            gm.meta["aotc_regions"] = split
-        return sum(len(r) for r in split.values())
+        return split
 
 
 def _leading_slices(node: fx.Node) -> list[fx.Node]:

@@ -61,7 +61,7 @@ from torch.utils._sympy.functions import Max as TorchMax, Min as TorchMin
 
 from ..errors import TraceError
 from ..models.base import SCRATCH_SLOT
-from .base import GraphPass, alias_root, source_line
+from .base import GraphPass, alias_root, insert_call, source_line
 
 aten = torch.ops.aten
 
@@ -147,18 +147,10 @@ class _Stripper:
 
     # -- building --------------------------------------------------------------
     def call(self, target, *args, val=None, **kwargs) -> fx.Node:
-        """Insert a call. `val` is its fake value in terms of the ORIGINAL symbols
-        (the final propagation recomputes it); without one, it is computed."""
-        node = self.graph.call_function(target, args, kwargs)
-        if val is None:
-            args_v = fx.node.map_arg(args, lambda n: n.meta["val"])
-            kwargs_v = fx.node.map_arg(kwargs, lambda n: n.meta["val"])
-            with self.mode:
-                val = target(*args_v, **kwargs_v)
-        node.meta["val"] = val
-        if self.at is not None and self.at.meta.get("stack_trace"):
-            node.meta["stack_trace"] = self.at.meta["stack_trace"]
-        return node
+        """Insert a call with the stack trace of the node being rewritten. `val` is its
+        fake value in terms of the ORIGINAL symbols (the final propagation recomputes
+        it); without one, it is computed."""
+        return insert_call(self.graph, target, *args, val=val, trace_of=self.at, **kwargs)
 
     def fail(self, node: fx.Node, what: str, fix: str):
         raise TraceError(f"{source_line(node)}: {what}; a static-shape backend cannot compile it. {fix}")
