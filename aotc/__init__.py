@@ -2,17 +2,18 @@
 
 The public API for models: `entry` marks a method as a compiled entry,
 `register_architecture` maps config.json to a model class, `CausalLM` is the
-base class of models, `Derived` and `derived` give compiled graphs weights in
-another layout than the checkpoint's (aotc.layout); see the README, "Bring your own model".
+base class of models, `Derived` gives compiled graphs weights in another layout
+than the checkpoint's, read by a module's `compiled_forward` (aotc.layout); see
+the README, "Bring your own model".
 """
 
 __version__ = "0.1.0"
 
 from .entry import entry  # noqa: E402
 from .errors import AotcError  # noqa: E402
-from .layout import Derived, derived  # noqa: E402
+from .layout import Derived  # noqa: E402
 from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
 from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "Derived", "derived", "ModelConfig", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]
+__all__ = ["AotcError", "CausalLM", "Derived", "ModelConfig", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]

@@ -391,6 +391,11 @@ def run(
         }  # fmt: skip
         backend, source, load_s = ("eager", str(model_dir), 0.0) if b is None else (b.manifest.backend.name, str(b.dir), b.load_s)
         report = _report(asked, gen, checked, tokenizer, backend, source, load_s, setup_s)
+        if checked is not None:
+            from .layout import compiled_forms
+
+            # Where a module compiles another algorithm than its eager code, the check compares the two.
+            report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(loaded.model)]
         report.update(generation=generation, notes=notes)
     except AotcError as e:
         _fail(e)
@@ -533,6 +538,7 @@ def verify(
         lint = _print_lint(report.backend, [f for a in report.artifacts for f in a.lint], "--json")
         failed = sum(not a.passed for a in report.artifacts)
         console.print(f"{len(report.artifacts) - failed} of {len(report.artifacts)} artifacts match eager" + (f"; {len(lint)} lint findings" if lint else ""))
+        _print_algorithms([dataclasses.asdict(a) for a in report.algorithms], "verify compares")
     if not report.passed:
         raise typer.Exit(1)
 
@@ -713,6 +719,12 @@ def _print_report(report: dict) -> None:
             verdict = "[red]tokens differ from eager[/]"
         over = "" if all(r["logits_close"] for r in c["per_prompt"]) else " [red](over the tolerance)[/]"
         console.print(f"check: {verdict}; max logit diff {c['max_logit_diff']:.2e}{over}, tolerance {c['tolerance']:.0e} + {c['tolerance']:.0e} x |eager|")
+        _print_algorithms(c["algorithms"], "the check compares")
+
+
+def _print_algorithms(algorithms: list[dict], what: str) -> None:
+    for a in algorithms:
+        console.print(f"{what} two algorithms in {a['cls']} ({a['modules']} modules): eager {a['eager']}; compiled {a['compiled']}", highlight=False)
 
 
 def _size(n: int) -> str:

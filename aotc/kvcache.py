@@ -153,12 +153,6 @@ def row_spec(rows: Fp8Rows | None, lead: tuple[int, ...], dim: int, dtype: torch
     return ((*lead, dim), dtype) if rows is None else ((*lead, rows.layout.width), torch.uint8)
 
 
-def zeros(spec: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
-    """A zeroed tensor of a (shape, dtype) spec, such as row_spec's."""
-    shape, dtype = spec
-    return torch.zeros(shape, dtype=dtype)
-
-
 def store(rows: Fp8Rows | None, cache: torch.Tensor, index: tuple, x: torch.Tensor) -> None:
     """cache[index] = x, for a full-precision cache (rows None) or a packed fp8 one."""
     if rows is not None:

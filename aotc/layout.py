@@ -3,15 +3,26 @@
 A module may want its weights in another layout in compiled graphs than the
 checkpoint stores them in: a MoE layer reads its experts stacked into one
 [E, out, in] tensor, so that a decode step gathers only the chosen experts'
-matrices. It declares so with `derived_weights()`:
+matrices. It declares so with `derived_weights()`, and reads them in its
+compiled form, `compiled_forward`, which the tracer calls in place of
+`forward` (eager code never runs it, and has no stacked tensor to read):
 
     class MoE(nn.Module):
         def derived_weights(self):
             return {"w1": Derived("stack", tuple(f"experts.{e}.w1.weight" for e in range(n)))}
 
         def forward(self, x):
-            stacked = aotc.derived(self)  # the graph inputs while traced; None in eager
+            '''A loop over the experts.'''
             ...
+
+        def compiled_forward(self, x, derived):
+            '''The chosen experts gathered from the stacked weights.'''
+            stacked = derived["w1"]  # the graph input
+            ...
+
+A compiled form is a second algorithm, so `aotc run --check` and `aotc verify`
+list each one (its class, and the first lines of both docstrings): they then
+compare two programs, and say so.
 
 The tracer makes each derived weight one graph input in place of its sources,
 and the manifest records it as a named transform of checkpoint tensor paths.
@@ -23,14 +34,16 @@ names one, it never carries code.
 A weight that the checkpoint stores in low precision (aotc.quant: fp8 with
 block scales, packed fp4) enters the graphs as stored: two inputs, its values
 and its scales, which the graph dequantizes next to their use. The loader
-registers each such weight's `Stored` tensors here (`keep_stored`); eager code
-reads the dequantized parameter.
+keeps each such weight's `Stored` tensors as buffers of the module that owns
+the weight (`keep_stored`), so that `model.to()` moves them; eager code reads
+the dequantized parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -72,21 +85,42 @@ class Stored:
         return self.values if part == "values" else self.scale
 
 
-# owner module -> {leaf name: Stored}. Weak: the stored tensors live as long as the model.
-_STORED: "weakref.WeakKeyDictionary[nn.Module, dict[str, Stored]]" = weakref.WeakKeyDictionary()
+# A stored weight's two parts are non-persistent buffers of the module that owns the
+# weight, named after it, so that model.to() moves them with it (and state_dict leaves
+# them out: the checkpoint names them itself); their format is a plain attribute of it.
+PARTS = ("values", "scale")
+_FORMS = "aotc_stored_forms"  # owner.__dict__[_FORMS]: {leaf: (format, fp8_reading)}
+
+
+def part_buffer(leaf: str, part: str) -> str:
+    """The buffer that holds a part of the stored weight `leaf` of its module."""
+    return f"{leaf}__stored_{part}"
+
+
+def _is_part_buffer(name: str) -> bool:
+    return name.rpartition(".")[2].endswith(tuple(f"__stored_{p}" for p in PARTS))
 
 
 def keep_stored(model: nn.Module, path: str, stored: Stored) -> None:
-    """Record the stored form of the tensor at `path` in `model`."""
-    owner, _, leaf = path.rpartition(".")
-    _STORED.setdefault(model.get_submodule(owner), {})[leaf] = stored
+    """Make `stored` the stored form of the tensor at `path` in `model`: buffers of the
+    module that owns it."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    for part in PARTS:
+        owner.register_buffer(part_buffer(leaf, part), stored.part(part), persistent=False)
+    vars(owner).setdefault(_FORMS, {})[leaf] = (stored.format, stored.fp8_reading)
+
+
+def _stored_in(owner: nn.Module) -> dict[str, Stored]:
+    forms = vars(owner).get(_FORMS, {})
+    return {leaf: Stored(fmt, *(getattr(owner, part_buffer(leaf, p)) for p in PARTS), reading) for leaf, (fmt, reading) in forms.items()}
 
 
 def stored_at(module: nn.Module, path: str) -> Stored | None:
     """The stored form of the tensor at `path` in `module`, if it has one."""
     owner, _, leaf = path.rpartition(".")
     try:
-        return _STORED.get(module.get_submodule(owner), {}).get(leaf)
+        return _stored_in(module.get_submodule(owner)).get(leaf)
     except AttributeError:  # no such submodule: nothing stored there
         return None
 
@@ -96,13 +130,15 @@ def stored_of(module: nn.Module) -> dict[str, Stored]:
     out = {}
     for path, sub in module.named_modules():
         prefix = f"{path}." if path else ""
-        out.update({prefix + leaf: s for leaf, s in _STORED.get(sub, {}).items()})
+        out.update({prefix + leaf: s for leaf, s in _stored_in(sub).items()})
     return out
 
 
 def weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's parameters, then its buffers, by path."""
-    return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    """The module's parameters, then its buffers, by path: the tensors its code reads (a
+    stored weight's parts are graph inputs through stored_of, not read by its code)."""
+    buffers = {n: b for n, b in module.named_buffers(remove_duplicate=False) if not _is_part_buffer(n)}
+    return dict(module.named_parameters(remove_duplicate=False)) | buffers
 
 
 def graph_weights(module: nn.Module, fp8_reading: Fp8Reading = "e4m3fn") -> list[WeightSpec]:
@@ -183,36 +219,68 @@ def _declared(module: nn.Module) -> dict[str, Derived]:
     return fn() if callable(fn) else {}
 
 
-# -- while tracing: the derived graph inputs of each module ----------------------------
-
-# id(module) -> its derived graph inputs, while an entry is traced. A plain dict, not a
-# ContextVar: torch.compile traces through a dict lookup but breaks the graph at
-# ContextVar.get. Tracing is single-threaded (build workers are processes).
-_ACTIVE: dict[int, dict[str, torch.Tensor]] = {}
+# -- compiled forms: what the tracer runs in place of forward ---------------------------
 
 
-def derived(module: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The module's derived weights while its entry is traced (graph inputs), else None:
-    eager code reads the checkpoint's tensors."""
-    return _ACTIVE.get(id(module))
+@dataclass(frozen=True)
+class CompiledForm:
+    """A module class whose compiled graphs run another algorithm than its eager code."""
+
+    cls: str
+    modules: int  # instances in the model
+    eager: str  # forward's docstring, its first line
+    compiled: str  # compiled_forward's
+
+
+def compiled_forms(*roots: nn.Module) -> list[CompiledForm]:
+    """Each module class with a compiled form in the roots (a model, or the instances of
+    some entries), once, in order, with how many of its modules there are."""
+    seen = {id(sub): sub for root in roots for sub in root.modules() if _compiled_form(sub) is not None}
+    counts: dict[type, int] = {}
+    for sub in seen.values():
+        counts[type(sub)] = counts.get(type(sub), 0) + 1
+    return [CompiledForm(cls.__qualname__, n, _summary(cls.forward), _summary(cls.compiled_forward)) for cls, n in counts.items()]
+
+
+def _compiled_form(module: nn.Module):
+    return getattr(type(module), "compiled_forward", None)
+
+
+def _summary(fn) -> str:
+    doc = inspect.getdoc(fn)
+    return f"{fn.__qualname__}: {doc.splitlines()[0]}" if doc else fn.__qualname__
 
 
 @contextlib.contextmanager
-def providing(module: nn.Module, weights: list[WeightSpec], values: dict[str, torch.Tensor]):
-    """Make `derived()` answer with `values` (by weight name, as `dequantized` gives them)
-    inside `module`, and yield the sources' views, to be swapped in for the sources."""
-    active: dict[int, dict[str, torch.Tensor]] = {}
+def compiled(module: nn.Module, weights: list[WeightSpec], values: dict[str, torch.Tensor]):
+    """While an entry of `module` is traced: each submodule with a compiled form runs
+    `compiled_forward(*args, derived=...)` in place of forward, given its derived weights
+    (graph inputs, by name: `values` by weight path, as `dequantized` gives them); yield
+    the sources' views, to be swapped in for the sources."""
     views: dict[str, torch.Tensor] = {}
-    for path, sub in module.named_modules():
-        prefix = f"{path}." if path else ""
-        for name in _declared(sub):
-            w = next(w for w in weights if w.path == prefix + name and (w.stored is None or w.stored.part != "scale"))
-            active.setdefault(id(sub), {})[name] = values[w.path]
-            views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.path])))
-    before = dict(_ACTIVE)
-    _ACTIVE.update(active)
+    swapped = []
     try:
+        for path, sub in module.named_modules():
+            prefix = f"{path}." if path else ""
+            declared, form = _declared(sub), _compiled_form(sub)
+            if declared and form is None:
+                raise TraceError(
+                    f"{type(sub).__qualname__}.derived_weights() declares {', '.join(map(repr, declared))}, but the class has no "
+                    "compiled_forward(..., derived) to read them: eager code reads the sources, the compiled form the derived weights"
+                )
+            if form is None:
+                continue
+            given = {}
+            for name in declared:
+                w = next(w for w in weights if w.path == prefix + name and (w.stored is None or w.stored.part != "scale"))
+                given[name] = values[w.path]
+                views.update(zip(w.sources, TRANSFORMS[w.transform].views(values[w.path])))
+            if "forward" in vars(sub):
+                raise TraceError(f"{prefix or 'the model'}: an instance attribute 'forward' hides {type(sub).__qualname__}.forward; the tracer cannot run its compiled form")
+            # An instance attribute is found before the class's forward: nn.Module.__call__ runs it.
+            sub.forward = functools.partial(form, sub, derived=given)
+            swapped.append(sub)
         yield views
     finally:
-        _ACTIVE.clear()
-        _ACTIVE.update(before)
+        for sub in swapped:
+            del sub.forward

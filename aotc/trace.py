@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .entry import EntrySpec, entries_of
 from .errors import TraceError
 from .format import PassRecord, RegionSpec, TensorSpec, WeightSpec
-from .layout import dequantized, dtype_name, graph_weights, providing, stored_of, weights_of
+from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of, weights_of
 from .models.base import fake_tensor_mode
 from .passes import needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
@@ -49,11 +49,29 @@ class Shapes:
     # The cache positions a context-bucketed entry's graph reads (EntrySpec.context):
     # example_inputs gives it views of the first `context` positions of max_seq caches.
     context: int | None = None
+    # The model's cache allocations at (slots, max_seq), layer-major: its cache_specs(),
+    # where a model states its cache shapes once; example_inputs takes them from here.
+    caches: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(cls, model: nn.Module, slots: int, max_seq: int, device: str = "cpu") -> "Shapes":
+        specs = model.cache_specs(slots, max_seq) if hasattr(model, "cache_specs") else {}
+        return cls(slots, max_seq, device, caches=specs)
 
     @property
     def positions(self) -> int:
         """How many cache positions the example caches expose."""
         return self.context or self.max_seq
+
+    def cache(self, kind: str, position_dim: int) -> torch.Tensor:
+        """Zeros of one layer's `kind` cache (its cache_specs() allocation without the
+        layer dim), narrowed to the first positions the graph reads: `position_dim`
+        holds max_seq positions or a fixed fraction of them (compressed entries)."""
+        if kind not in self.caches:
+            raise TraceError(f"example_inputs asks for a {kind!r} cache; the model's cache_specs() has {', '.join(sorted(self.caches)) or 'none'}")
+        shape, dtype = self.caches[kind]
+        whole = torch.zeros(shape[1:], dtype=dtype)
+        return whole.narrow(position_dim, 0, whole.shape[position_dim] * self.positions // self.max_seq)
 
 
 @dataclass
@@ -212,14 +230,21 @@ def _fake_weights(module: nn.Module, mode: FakeTensorMode, already: bool) -> tup
 
 
 def _call(module: nn.Module, method: str, weights: list[WeightSpec], values: dict[str, torch.Tensor], args):
-    """Run the method with its weights swapped for `values` (by WeightSpec.key). Sources
-    of derived weights read as views of the derived input, so the graph has that one
-    input for them; stored weights are dequantized from their parts in the graph."""
+    """Run the method with its weights swapped for `values` (by WeightSpec.key), and each
+    module's compiled form where it has one. Sources of derived weights read as views of
+    the derived input, so the graph has that one input for them; stored weights are
+    dequantized from their parts in the graph."""
     tensors = dequantized(weights, values)
-    with providing(module, weights, tensors) as views:
+    with compiled(module, weights, tensors) as views:
         swapped = {f"inner.{w.path}": tensors[w.path] for w in weights if w.transform is None}
         swapped |= {f"inner.{k}": v for k, v in views.items()}
-        return torch.func.functional_call(_Method(module, method), swapped, args, tie_weights=False, strict=True)
+        # Every tensor the code reads is swapped for a graph input. A stored weight's parts
+        # are left out: read by nothing (the graph reads its inputs), and a view of a stacked
+        # part made here would stay in the graph, unused.
+        left = {f"inner.{k}" for k in weights_of(module)} ^ swapped.keys()
+        if left:
+            raise RuntimeError(f"{type(module).__qualname__}.{method}: these tensors would not be graph inputs: {sorted(left)}")
+        return torch.func.functional_call(_Method(module, method), swapped, args, tie_weights=False, strict=False)
 
 
 class _Method(nn.Module):

@@ -33,7 +33,7 @@ def neuron_bundle(tiny_dir, tmp_path_factory):
     neuron.compiler_version.cache_clear()
     try:
         out = tmp_path_factory.mktemp("bisect") / "bundle"
-        return build(BuildOptions(tiny_dir, out=out, backend="neuron", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), use_cache=False)).out
+        return build(BuildOptions(tiny_dir, out=out, backend="neuron", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), use_cache=False, jobs=1)).out
     finally:
         os.environ["PATH"] = saved
         neuron.compiler_version.cache_clear()
@@ -89,10 +89,10 @@ def test_bisect_seeks_the_same_failure_not_any(neuron_bundle, failing_on, tmp_pa
     assert result.code == "NCC_IINL902" and result.nodes == ["mm = aten.mm.default"]
 
 
-def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle):
+def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle, tmp_path):
     failing_on("no-such-op")
     with pytest.raises(AotcError, match="compiles; nothing to bisect"):
-        bisect(neuron_bundle, "LMHead.forward", 1)
+        bisect(neuron_bundle, "LMHead.forward", 1, work=tmp_path / "w")
     with pytest.raises(AotcError, match="has no such entry; it has LlamaDecoderLayer.decode"):
         bisect(neuron_bundle, "Nope.decode", 1)
     with pytest.raises(AotcError, match="--bucket 7: LMHead.forward has buckets 1, 2"):

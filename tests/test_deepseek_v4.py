@@ -146,7 +146,7 @@ def test_softmax_router_against_its_formula(pair):
     torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * gate.scaling)
 
 
-def test_transformers_paths_disagree_only_on_exact_indexer_ties():
+def test_transformers_paths_disagree_only_on_exact_indexer_ties(tmp_path):
     """With 2 indexer heads, transformers' full forward is not causal: a position's
     logits change with later tokens, exactly where its indexer scores tie at 0.0."""
     hf = hf_model(index_n_heads=2)
@@ -162,16 +162,9 @@ def test_transformers_paths_disagree_only_on_exact_indexer_ties():
     ready = scores[0][first, : (first + 1) // 4]
     assert (ready == 0).sum() >= 2  # several entries tie at exactly 0.0 ...
     assert (ready > 0).sum() < 3  # ... at the top-3 boundary
-    ours = load_model(_save(hf)).model
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path).model
     torch.testing.assert_close(ours.prompt_logits(ids[:30]), ours.prompt_logits(ids[:32])[:30])  # aotc is causal
-
-
-def _save(hf):
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix="aotc-v4-")
-    hf.save_pretrained(path)
-    return path
 
 
 def chunked_logits(model, ids, chunk):

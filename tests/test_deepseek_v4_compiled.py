@@ -180,3 +180,19 @@ def test_v4_context_buckets_are_whole_compression_windows(v4_dir, tmp_path):
         make_plan(BuildOptions(v4_dir, out=tmp_path / "b", max_seq=1024, context_buckets=(40,), backend="export"))
     plan = make_plan(BuildOptions(v4_dir, out=tmp_path / "b", max_seq=1024, context_buckets=(48,), backend="export"))
     assert sorted({v.context for v in plan.variants if v.context}) == [48, 1024]
+
+
+def test_every_entry_traced_for_another_device_makes_its_tensors_there(v4_dir):
+    """Traced with its weights and inputs on another device (meta: no device needed), no
+    value in any graph is a CPU tensor: a tensor the model makes without device= (an
+    arange of positions) would be, and a CUDA build's graph would then mix devices."""
+    from aotc.trace import Shapes, find_variants, trace
+
+    model = load_model(v4_dir, weights=False).model
+    shapes = Shapes.of(model, 5, 64, device="meta")
+    variants = find_variants(model, shapes)
+    assert len(variants) == 9
+    for variant in variants:
+        gm = trace(variant, 4, shapes).graph_module
+        on_cpu = [n.format_node() for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cpu"]
+        assert not on_cpu, (variant.entry_id, on_cpu)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import get_args
 
 import pytest
@@ -13,7 +11,7 @@ from torch import nn
 
 from aotc.errors import BundleError, TraceError
 from aotc.format import MANIFEST, TransformName, read_manifest
-from aotc.layout import TRANSFORMS, Derived, derived, graph_weights, providing
+from aotc.layout import TRANSFORMS, Derived, compiled, compiled_forms, graph_weights
 
 
 class Experts(nn.Module):
@@ -25,6 +23,14 @@ class Experts(nn.Module):
 
     def derived_weights(self):
         return {"stacked": Derived("stack", self._sources)}
+
+    def forward(self, x):
+        """One matmul per expert."""
+        return torch.stack([up(x) for up in self.up])
+
+    def compiled_forward(self, x, derived):
+        """One batched matmul over the stacked experts."""
+        return x @ derived["stacked"].transpose(-1, -2)
 
 
 class Outer(nn.Module):
@@ -46,16 +52,37 @@ def test_a_derived_weight_replaces_its_sources_among_the_graph_inputs():
     assert stacked.sources == ["mlp.up.0.weight", "mlp.up.1.weight", "mlp.up.2.weight"]
 
 
-def test_while_provided_the_module_sees_the_graph_input_and_its_sources_are_views_of_it():
+def test_while_traced_the_module_runs_its_compiled_form_on_the_graph_input_and_its_sources_are_views_of_it():
     outer = Outer()
     weights = graph_weights(outer)
     value = torch.arange(72.0).reshape(3, 6, 4)
-    assert derived(outer.mlp) is None  # eager
-    with providing(outer, weights, {"mlp.stacked": value}) as views:
-        assert derived(outer.mlp)["stacked"] is value
+    x = torch.ones(4)
+    eager = outer.mlp(x)
+    with compiled(outer, weights, {"mlp.stacked": value}) as views:
+        torch.testing.assert_close(outer.mlp(x), x @ value.transpose(-1, -2))  # compiled_forward, given the graph input
         assert sorted(views) == ["mlp.up.0.weight", "mlp.up.1.weight", "mlp.up.2.weight"]
         assert views["mlp.up.2.weight"].data_ptr() == value[2].data_ptr()
-    assert derived(outer.mlp) is None
+    torch.testing.assert_close(outer.mlp(x), eager)  # forward again
+    assert "forward" not in vars(outer.mlp)
+    assert compiled_forms(outer) == [compiled_forms(outer.mlp)[0]]
+    form = compiled_forms(outer)[0]
+    assert (form.cls, form.modules, form.eager, form.compiled) == ("Experts", 1, "Experts.forward: One matmul per expert.", "Experts.compiled_forward: One batched matmul over the stacked experts.")
+
+
+class NoCompiledForm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(4, 6, bias=False) for _ in range(2))
+
+    def derived_weights(self):
+        return {"stacked": Derived("stack", ("up.0.weight", "up.1.weight"))}
+
+
+def test_derived_weights_without_a_compiled_form_to_read_them_are_an_error():
+    module = NoCompiledForm()
+    with pytest.raises(TraceError, match=r"NoCompiledForm.derived_weights\(\) declares 'stacked', but the class has no compiled_forward"):
+        with compiled(module, graph_weights(module), {"stacked": torch.zeros(2, 6, 4)}):
+            pass
 
 
 @pytest.mark.parametrize(
@@ -93,24 +120,3 @@ def test_the_reader_refuses_unknown_transforms_and_inconsistent_records(tiny_bun
     with pytest.raises(BundleError) as e:
         read_manifest(_derived_manifest(tiny_bundle, tmp_path, **fields).parent)
     assert message in str(e.value)
-
-
-def test_torch_compile_traces_through_the_lookup_without_a_graph_break():
-    """Users torch.compile models that call aotc.derived(); a graph break there would split
-    every MoE. In a fresh process: once torchax is imported (the xla tests), dynamo fails."""
-    script = """
-import torch
-from torch import nn
-from aotc.layout import derived
-
-experts = nn.Linear(3, 3)
-
-def forward(x):
-    stacked = derived(experts)
-    return x * 2 if stacked is None else x @ stacked["stacked"][0]
-
-compiled = torch.compile(forward, fullgraph=True, backend="eager")
-torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 2.0))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]

@@ -39,7 +39,8 @@ from .conftest import assert_check_report
 lowers = pytest.mark.skipif(NeuronBackend().can_compile() is not None, reason=str(NeuronBackend().can_compile()))
 
 FAKES = Path(__file__).parent / "fakes"
-OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="neuron", use_cache=False)
+# One build process: a worker would spend longer importing torch and jax than lowering these graphs.
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="neuron", use_cache=False, jobs=1)
 
 
 @pytest.fixture()
@@ -129,7 +130,7 @@ def test_ops_the_compiler_does_not_list_are_lint_findings_naming_the_source_line
     monkeypatch.setenv("FAKE_NEURONX_CC_UNLISTED", "Rsqrt")  # this compiler's list-operators leaves rsqrt out
     neuron.listed_operators.cache_clear()
     try:
-        result = build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+        result = build(BuildOptions(tiny_dir, out=tmp_path / "b", **OPTIONS))
     finally:
         neuron.listed_operators.cache_clear()
     lint = {f for _, a in result.manifest.artifacts() for f in a.extra.lint}
@@ -143,7 +144,7 @@ def test_ops_the_compiler_does_not_list_are_lint_findings_naming_the_source_line
 def test_compiler_error_quotes_the_ncc_code_and_the_log(tiny_dir, tmp_path, stand_in, monkeypatch):
     monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "error")
     with pytest.raises(BackendError, match=r"neuronx-cc failed with NCC_IBCG902; log: .*compile.log"):
-        build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", **OPTIONS))
     assert not (tmp_path / "b").exists()
 
 
@@ -151,14 +152,14 @@ def test_compiler_error_quotes_the_ncc_code_and_the_log(tiny_dir, tmp_path, stan
 def test_compiler_killed_by_signal_9_is_an_out_of_memory_message(tiny_dir, tmp_path, stand_in, monkeypatch):
     monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "kill")
     with pytest.raises(BackendError, match=r"killed by signal 9, most likely for lack of memory .* --jobs N"):
-        build(BuildOptions(tiny_dir, out=tmp_path / "b", jobs=1, **OPTIONS))
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", **OPTIONS))
 
 
 @lowers
 def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     runner = CliRunner()
     out = tmp_path / "bundle"
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)], env={"COLUMNS": "200"})
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "5 artifacts are pending" in said and f"aotc build --resume {out}" in said
@@ -299,7 +300,7 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
 def test_real_neuron_compile_and_run(tiny_dir, tmp_path):
     runner = CliRunner()
     out = tmp_path / "bundle"
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)])
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", str(out), "--check", "--json", "--prompt", "Hello", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
@@ -326,13 +327,38 @@ def neuron_host(monkeypatch, stand_in):
     yield COUNTERS
 
 
-def _simulated_run(model_dir, out, *flags):
-    runner = CliRunner()
-    r = runner.invoke(app, [
+def _simulated_build(model_dir, out, *flags):
+    r = CliRunner().invoke(app, [
         "build", str(model_dir), "--backend", "neuron", *flags, "--buckets", "1,4", "--prefill-chunk", "16", "--max-seq", "128",
         "--context-buckets", "64", "--no-cache", "--jobs", "1", "-o", str(out),
     ])  # fmt: skip
     assert r.exit_code == 0, r.output
+
+
+@pytest.fixture(scope="module")
+def simulated_bundle(tiny_dir, tmp_path_factory):
+    """The tiny model built by the compiler double (a simulated Neuron host), once for the
+    tests that run it."""
+    out = tmp_path_factory.mktemp("simulated") / "bundle"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+        mp.setenv("FAKE_NEURONX_CC_MODE", "ok")
+        mp.setenv("FAKE_NEURONX_CC_CALLS", str(out.parent / "calls.jsonl"))
+        neuron.compiler_version.cache_clear()
+        try:
+            _simulated_build(tiny_dir, out)
+        finally:
+            neuron.compiler_version.cache_clear()
+    return out
+
+
+def _simulated_run(model_dir, out, *flags):
+    _simulated_build(model_dir, out, *flags)
+    _simulated_checks(out)
+
+
+def _simulated_checks(out):
+    runner = CliRunner()
     for prompts in (["Hello"], ["Hello", CROSSING, "the quick brown fox"]):  # batch 1, and 3 in bucket 4
         asked = [a for p in prompts for a in ("--prompt", p)]
         r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-new-tokens", "8", "--max-batch", "3", *asked])
@@ -347,8 +373,8 @@ def _simulated_run(model_dir, out, *flags):
 
 
 @lowers
-def test_a_simulated_neuron_host_builds_runs_check_and_verifies(tiny_dir, tmp_path, neuron_host):
-    _simulated_run(tiny_dir, tmp_path / "bundle")
+def test_a_simulated_neuron_host_builds_runs_check_and_verifies(simulated_bundle, neuron_host):
+    _simulated_checks(simulated_bundle)
     assert neuron_host.executions > 0
 
 
@@ -364,7 +390,7 @@ def test_a_simulated_trn2_host_runs_v4_with_rescaled_fp8_weights(tmp_path, neuro
 
 
 @lowers
-def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tiny_dir, tmp_path, neuron_host):
+def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tiny_dir, simulated_bundle, neuron_host):
     """Bound once: weights sent at bind; caches allocated on the device (their zeros sent
     once: nrtpy has no zeroed allocation) and never sent or read again; each execution
     sends at most 1% of the weight bytes (its activations, refilled in place); only
@@ -372,8 +398,7 @@ def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tin
     from aotc.models.base import load_model
     from aotc.runtime.resident import buffers
 
-    out = build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=128, context_buckets=(64,), backend="neuron", use_cache=False, jobs=1)).out
-    bundle, model = Bundle.load(out), load_model(tiny_dir).model
+    bundle, model = Bundle.load(simulated_bundle), load_model(tiny_dir).model
     bundle.bind(model)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "model.embed_tokens.weight")
     assert neuron_host.to_device >= weight_bytes  # placed at bind (and the outputs' buffers)

@@ -199,17 +199,55 @@ def test_fp8_llama_compiled_equals_eager(models, tmp_path, backend, monkeypatch)
         assert all({p.name: p.changes for p in a.passes}["decode_fp8_bits"] == 7 for a in decode.artifacts)
 
 
+# What both reports say of V4's MoE: its compiled form is another algorithm than its eager code.
+MOE = {
+    "cls": "MoE", "modules": 3,
+    "eager": "MoE.forward: Each expert once, on the tokens routed to it (a loop over the experts).",
+    "compiled": "MoE.compiled_forward: Each token's chosen experts gathered from the stacked weights, where a step makes fewer choices than there are experts; else the loop over the experts.",
+}  # fmt: skip
+
+
 def test_fp4_experts_v4_compiled_equals_eager(models, tmp_path):
-    out = check_bundle(models["v4"], "export", tmp_path, buckets=(3,))  # batch 1 padded into 3
+    """As check_bundle, through the command line (one load of the bundle each: an export
+    program of a V4 block takes a second or two to deserialize): aotc run --check --json
+    at batch 3, and aotc verify --json (padding rows included); both reports name the
+    MoE's two algorithms."""
+    out = build(BuildOptions(models["v4"], out=tmp_path / "export", batch_buckets=(3,), chunk_buckets=(16,), max_seq=64, backend="export"))
     decode = next(e for e in out.manifest.entries if e.id.endswith("Block.decode"))
     stacked = {(w.path, w.stored.part): w for w in decode.weights if w.transform}
     assert stacked["ffn.stacked_w1", "values"].shape == [4, 64, 64] and stacked["ffn.stacked_w1", "scale"].shape == [4, 64, 4]
+    assert stacked["ffn.stacked_w1", "values"].dtype == "uint8" and stacked["ffn.stacked_w1", "values"].stored.format == "fp4"
+    prompts = ["Hello", "the quick brown fox", "one two three four five"]
+    r = CliRunner().invoke(app, ["run", str(out.out), "--check", "--json", "--max-new-tokens", "12", *(a for p in prompts for a in ("--prompt", p))])
+    assert r.exit_code == 0, r.output
+    check = json.loads(r.output)["check"]
+    assert check["passed"] and check["tokens_equal"], check["per_prompt"]
+    assert check["algorithms"] == [MOE]
+    r = CliRunner().invoke(app, ["verify", str(out.out), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["passed"] and report["algorithms"] == [MOE]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["inductor", "xla"])
 def test_fp4_experts_v4_compiled_equals_eager_slow(models, tmp_path, backend):
     check_bundle(models["v4"], backend, tmp_path)
+
+
+def test_stored_weights_are_state_of_their_module_and_move_with_the_model(models):
+    """model.to() moves a stored weight's parts (they once sat in a dict beside the model,
+    which .to() never saw); state_dict leaves them out, as the checkpoint names them."""
+    model = load_model(models["llama"], stored=True).model
+    before = stored_of(model)
+    assert len(before) == 2 * 7 and all(s.values.device.type == "cpu" for s in before.values())
+    model.to("meta")
+    after = stored_of(model)
+    assert after.keys() == before.keys()
+    for path, s in after.items():
+        assert (s.values.device.type, s.scale.device.type) == ("meta", "meta"), path
+        assert (s.values.dtype, s.scale.dtype, s.values.shape) == (before[path].values.dtype, before[path].scale.dtype, before[path].values.shape)
+    assert not [k for k in model.state_dict() if "__stored_" in k]
 
 
 def test_bundle_of_stored_weights_refuses_a_dequantized_model(models, tmp_path):

@@ -13,7 +13,11 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.trace import Shapes, find_variants, trace
 
-SHAPES = Shapes(slots=5, max_seq=64)
+SHAPES = Shapes(slots=5, max_seq=64)  # for modules that take no cache from a model
+
+
+def shapes_of(model):
+    return Shapes.of(model, 5, 64)  # its caches from its cache_specs()
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def models(tmp_path_factory):
 def test_graph_count_does_not_depend_on_layer_count(models):
     counts = {}
     for n, loaded in models.items():
-        variants = find_variants(loaded.model, SHAPES)
+        variants = find_variants(loaded.model, shapes_of(loaded.model))
         ids = sorted(v.entry_id for v in variants)
         assert ids == ["LMHead.forward", "LlamaDecoderLayer.decode", "LlamaDecoderLayer.prefill"]
         decode = next(v for v in variants if v.entry_id == "LlamaDecoderLayer.decode")
@@ -36,8 +40,8 @@ def test_graph_count_does_not_depend_on_layer_count(models):
 
 def test_weights_and_caches_are_graph_inputs(models):
     loaded = models[2]
-    decode = next(v for v in find_variants(loaded.model, SHAPES) if v.entry_id == "LlamaDecoderLayer.decode")
-    g = trace(decode, 4, SHAPES)
+    decode = next(v for v in find_variants(loaded.model, shapes_of(loaded.model)) if v.entry_id == "LlamaDecoderLayer.decode")
+    g = trace(decode, 4, shapes_of(loaded.model))
     layer = loaded.model.model.layers[0]
     params = [n for n, _ in layer.named_parameters()]
     kinds = [(i.kind, i.path or i.name) for i in g.inputs]
@@ -62,8 +66,8 @@ def test_one_graph_serves_every_layer(tmp_path):
     """The layer-0 graph run with layer 1's weights gives layer 1's eager output."""
     loaded = load_model(write_tiny(tmp_path / "m", layers=2))
     model = loaded.model
-    decode = next(v for v in find_variants(model, SHAPES) if v.entry_id == "LlamaDecoderLayer.decode")
-    gm = trace(decode, 2, SHAPES).graph_module
+    decode = next(v for v in find_variants(model, shapes_of(model)) if v.entry_id == "LlamaDecoderLayer.decode")
+    gm = trace(decode, 2, shapes_of(model)).graph_module
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 256, generator=g)
     positions = torch.tensor([3, 7])
@@ -117,7 +121,8 @@ def test_qwen2_mixed_window_layers_become_variants(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
     (path / "config.json").write_text(json.dumps(config))
-    variants = find_variants(load_model(path, weights=False).model, SHAPES)
+    model = load_model(path, weights=False).model
+    variants = find_variants(model, shapes_of(model))
     decode = {v.entry_id: ([p for p, _ in v.instances], v.attributes) for v in variants if "decode" in v.entry_id}
     assert decode == {
         "LlamaDecoderLayer.decode.v0": (["model.layers.0"], {"self_attn.window": None}),
@@ -218,3 +223,33 @@ def test_entry_with_non_tensor_argument_is_an_error():
 
     with pytest.raises(TraceError, match=r"'flag' is True \(bool\); entry arguments must be tensors"):
         find_variants(Stack([Bad()]), SHAPES)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
+def test_example_caches_are_the_models_cache_specs(tmp_path, monkeypatch, arch):
+    """A model states its cache shapes once (cache_specs): each entry's example caches are
+    one layer's share of them, and follow when they change (here: twice the slots)."""
+    from aotc.models.deepseek_v4 import cache_kinds
+
+    model = load_model(write_tiny(tmp_path / arch, arch=arch, layers=4 if arch == "deepseek_v4" else 2), weights=False).model
+    specs = type(model).cache_specs
+
+    def more_slots(self, slots, max_seq):
+        return specs(self, 2 * slots, max_seq)
+
+    seen = []
+    for cache_specs in (specs, more_slots):
+        monkeypatch.setattr(type(model), "cache_specs", cache_specs)
+        shapes = Shapes.of(model, 5, 64)
+        layer_share = {kind: (tuple(shape[1:]), dtype) for kind, (shape, dtype) in model.cache_specs(5, 64).items()}
+        got = []
+        for variant in find_variants(model, shapes):
+            spec, layer = variant.spec, variant.module
+            args = dict(zip(spec.params, layer.example_inputs(spec.method, 2, shapes)))
+            caches = [(tuple(a.shape), a.dtype) for name, a in args.items() if name in spec.caches]
+            if spec.caches:
+                kinds = cache_kinds(layer.layer_type) if arch == "deepseek_v4" else ["k", "v"]
+                assert caches == [layer_share[k] for k in kinds], variant.entry_id
+            got.append(caches)
+        seen.append(got)
+    assert seen[0] != seen[1]

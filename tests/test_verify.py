@@ -17,6 +17,9 @@ from aotc.backends.neuron import lint
 from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.models.tiny import write_tiny
+from aotc.errors import BundleError
+from aotc.models.base import load_model
+from aotc.runtime import Bundle
 from aotc.runtime.verify import verify
 
 from aotc.format import artifact_dir
@@ -127,7 +130,7 @@ def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
 
 def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the artifacts stay pending
-    out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, **OPTIONS)).out
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, jobs=1, **OPTIONS)).out
     report = assert_verify_catches_differences(monkeypatch, out, reference=True)
     assert all(a.reference == "hlo.pb" and a.reference_vs == "eager" for a in report.artifacts)
     assert not any(a.lint for a in report.artifacts)  # int32 indices, no f64, no custom call
@@ -197,6 +200,11 @@ def test_entry_bucket_and_context_choose_what_verify_and_inspect_show(tiny_dir, 
     assert report.passed and [(a.entry, a.bucket, a.context) for a in report.artifacts] == [("LlamaDecoderLayer.decode", 2, 64)]
     assert [(a.bucket, a.context) for a in verify(out, entry_id="LlamaDecoderLayer.decode", bucket=1).artifacts] == [(1, 32)]  # the smallest
     assert sorted((a.bucket, a.context) for a in verify(out, entry_id="LlamaDecoderLayer.decode").artifacts) == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    # What verify loads: the chosen artifacts only; such a bundle refuses to be bound.
+    partial = Bundle.load(out, only={("LlamaDecoderLayer.decode", 2, 64)})
+    assert list(partial.programs) == [("LlamaDecoderLayer.decode", 2, 64)]
+    with pytest.raises(BundleError, match=r"loaded with 1 of its artifacts \(only=\); load them all to run it"):
+        partial.bind(load_model(tiny_dir).model)
     r = CliRunner().invoke(app, ["inspect", str(out), "--entry", "LlamaDecoderLayer.decode", "--bucket", "2", "--context", "64"], env={"COLUMNS": "200"})
     rows = [line for line in r.output.splitlines() if "LlamaDecoderLayer" in line]
     assert r.exit_code == 0 and len(rows) == 1 and "│ 2 " in rows[0] and "│ 64 " in rows[0], r.output

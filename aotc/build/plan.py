@@ -49,7 +49,7 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     if backend is None:
         _, _, backend = resolve(options)
     loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend))
-    shapes = Shapes(slots=max(options.batch_buckets) + 1, max_seq=options.max_seq, device=options.device)
+    shapes = Shapes.of(loaded.model, max(options.batch_buckets) + 1, options.max_seq, options.device)
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..entry import entry
-from ..kvcache import Fp8Rows, layer_views, load, row_spec, store, zeros
-from ..layout import Derived, derived
+from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
+from ..layout import Derived
 from ..errors import ConfigError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
@@ -361,7 +361,7 @@ class Indexer(nn.Module):
         scores = F.relu(q.float() @ keys.float().transpose(-1, -2)) * self.dim**-0.5
         weights = self.weights_proj(h).float() * self.heads**-0.5  # [N, Hi]
         scores = (scores * weights[:, :, None]).sum(dim=1)  # [N, E]
-        ready = torch.arange(keys.shape[-2])[None, :] < ((positions + 1) // self.rate)[:, None]
+        ready = torch.arange(keys.shape[-2], device=positions.device)[None, :] < ((positions + 1) // self.rate)[:, None]
         scores = scores.masked_fill(~ready, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         chosen = torch.zeros_like(ready).scatter_(1, top, True)
@@ -414,11 +414,11 @@ class Attention(nn.Module):
         # Sliding window: the cached positions up to `window` back from each row's own.
         # Keys are gathered for the window's span only, not the whole cache.
         if one_sequence:  # one span for all rows: [window + N - 1] positions, keys [S', D]
-            span = positions[0] - self.window + 1 + torch.arange(self.window + n - 1)
+            span = positions[0] - self.window + 1 + torch.arange(self.window + n - 1, device=positions.device)
             keys = load(self.kv_rows, kv_cache, (slots[:1, None], span.clamp(0, kv_cache.shape[1] - 1)), h.dtype)[0]
             k_pos = span[None, :]
         else:  # a span per row: keys [N, window, D]
-            span = positions[:, None] - self.window + 1 + torch.arange(self.window)
+            span = positions[:, None] - self.window + 1 + torch.arange(self.window, device=positions.device)
             keys = load(self.kv_rows, kv_cache, (slots[:, None], span.clamp(0, kv_cache.shape[1] - 1)), h.dtype)
             k_pos = span
         visible = (k_pos >= 0) & (k_pos <= positions[:, None]) & (k_pos > positions[:, None] - self.window)
@@ -437,7 +437,7 @@ class Attention(nn.Module):
                 icos, isin = rope_at(*self.rope("compress"), positions, h.dtype)
                 picked = ix.select(h, q_residual, positions, icos, isin, of_rows(caches["idx_comp"], ix.compressor.entry_rows))
             else:  # HCA: every entry whose window has closed
-                picked = torch.arange(entries.shape[-2])[None, :] < ((positions + 1) // comp.rate)[:, None]
+                picked = torch.arange(entries.shape[-2], device=positions.device)[None, :] < ((positions + 1) // comp.rate)[:, None]
             keys = torch.cat([keys, entries], dim=-2)
             visible = torch.cat([visible, picked], dim=1)
 
@@ -507,17 +507,26 @@ class MoE(nn.Module):
         return {f"stacked_{w}": Derived("stack", tuple(f"experts.{e}.{w}.weight" for e in range(n))) for w in ("w1", "w2", "w3")}
 
     def forward(self, x, ids):
+        """Each expert once, on the tokens routed to it (a loop over the experts)."""
         chosen, weights = self.gate(x, ids)  # [N, k]
-        stacked = derived(self)
-        if stacked is not None and chosen.numel() < len(self.experts):
-            out = self.gathered(x, chosen, weights, stacked)
-        else:  # eager, or as many choices as experts: each expert once, on its tokens
-            out = torch.zeros_like(x)
-            for e, expert in enumerate(self.experts):
-                rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-                torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
-                out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
+        return self.each_expert(x, chosen, weights) + self.shared_experts(x)
+
+    def compiled_forward(self, x, ids, derived):
+        """Each token's chosen experts gathered from the stacked weights, where a step makes fewer choices than there are experts; else the loop over the experts."""
+        chosen, weights = self.gate(x, ids)  # [N, k]
+        if chosen.numel() < len(self.experts):
+            out = self.gathered(x, chosen, weights, derived)
+        else:  # as many choices as experts: reading every expert once is the least
+            out = self.each_expert(x, chosen, weights)
         return out + self.shared_experts(x)
+
+    def each_expert(self, x, chosen, weights):
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
+            torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
+            out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
+        return out
 
     def gathered(self, x, chosen, weights, stacked):
         """The experts' SwiGLU on each token's chosen experts only. Written as multiply
@@ -553,6 +562,7 @@ class Block(nn.Module):
 
     def __init__(self, c: DeepseekV4Config, layer_type: str, mlp_type: str):
         super().__init__()
+        self.layer_type = layer_type
         hc = c.hc_mult
         self.attn = Attention(c, layer_type)
         self.ffn = MoE(c, hashed=mlp_type == "hash_moe")
@@ -573,20 +583,13 @@ class Block(nn.Module):
         return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
 
     def example_inputs(self, method, rows, shapes):
-        a, dtype = self.attn, self.attn.wkv.weight.dtype
-        hidden = a.wkv.in_features
+        dtype = self.attn.wkv.weight.dtype
+        hidden = self.attn.wkv.in_features
         hc = self.hc_attn_fn.shape[1] // hidden  # the streams
         index = torch.zeros(rows, dtype=torch.long)
         args = [torch.zeros(rows, hc, hidden, dtype=dtype), index, index.clone(), index.clone()]
-        # Decode at a context bucket reads the first `shapes.positions` positions: views of max_seq caches.
-        n = shapes.positions
-        args.append(zeros(row_spec(a.kv_rows, (shapes.slots, shapes.max_seq), a.head_dim, dtype))[:, :n])
-        for comp in [getattr(a, "compressor", None), getattr(getattr(a, "indexer", None), "compressor", None)]:
-            if comp is not None:
-                width = comp.wkv.out_features
-                args += [torch.zeros(shapes.slots, shapes.max_seq, width, dtype=dtype)[:, :n] for _ in range(2)]
-                args.append(zeros(row_spec(comp.entry_rows, (shapes.slots, shapes.max_seq // comp.rate), comp.dim, dtype))[:, : n // comp.rate])
-        return tuple(args)
+        # Each [slots, positions or compressed entries, ...]: decode at a context bucket reads the first positions.
+        return (*args, *(shapes.cache(kind, 1) for kind in cache_kinds(self.layer_type)))
 
     def step(self, x, ids, positions, slots, caches, one_sequence=False):
         # x: [N, hc, hidden]
@@ -630,6 +633,15 @@ class CSABlock(Block):
 
 BLOCKS = {"sliding_attention": SlidingBlock, "heavily_compressed_attention": HCABlock, "compressed_sparse_attention": CSABlock}
 CACHE_GROUP = {"heavily_compressed_attention": "hca", "compressed_sparse_attention": "csa"}
+
+
+def cache_kinds(layer_type: str) -> list[str]:
+    """The cache kinds (cache_specs' keys) a layer of this type takes, in its entries' order:
+    every layer's own kv, then its group's compressor state and entries (and CSA's indexer's)."""
+    group = CACHE_GROUP.get(layer_type)
+    if group is None:
+        return ["kv"]
+    return ["kv", f"{group}_kv", f"{group}_gate", f"{group}_comp"] + (["idx_kv", "idx_gate", "idx_comp"] if group == "csa" else [])
 
 
 class HyperHead(nn.Module):
@@ -750,13 +762,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def layer_caches(self, i: int, caches: dict) -> list[torch.Tensor]:
         t = self.config.layer_types[i]
-        out = [layer_views(caches["kv"])[i]]
         group = CACHE_GROUP.get(t)
-        if group:
-            j = self.groups[group].index(i)
-            kinds = [f"{group}_kv", f"{group}_gate", f"{group}_comp"] + (["idx_kv", "idx_gate", "idx_comp"] if group == "csa" else [])
-            out += [layer_views(caches[kind])[j] for kind in kinds]
-        return out
+        at = self.groups[group].index(i) if group else None  # the layer's index in its group's caches
+        return [layer_views(caches[kind])[i if kind == "kv" else at] for kind in cache_kinds(t)]
 
     # -- generation ---------------------------------------------------------------
     @torch.no_grad()  # caches are written in place, and their per-layer views kept (kvcache.layer_views)
@@ -769,8 +777,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     @torch.no_grad()
     def prefill(self, ids, slot, caches, start=0):
         n = ids.shape[0]
-        positions = torch.arange(start, start + n)
-        x = self.run_layers("prefill", ids, positions, torch.full((n,), slot, dtype=torch.long), caches)
+        positions = torch.arange(start, start + n, device=ids.device)
+        x = self.run_layers("prefill", ids, positions, torch.full((n,), slot, dtype=torch.long, device=ids.device), caches)
         return self.final(x[-1:])[0]
 
     @torch.no_grad()
@@ -783,7 +791,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         n = ids.shape[0]
         rate = max(self.config.compress_rate_csa, self.config.compress_rate_hca)
         caches = self.allocate_caches(1, max_seq or -(-n // rate) * rate)
-        x = self.run_layers("prefill", ids, torch.arange(n), torch.zeros(n, dtype=torch.long), caches)
+        x = self.run_layers("prefill", ids, torch.arange(n, device=ids.device), torch.zeros(n, dtype=torch.long, device=ids.device), caches)
         return self.final(x)
 
     # -- aotc init tiny -------------------------------------------------------------

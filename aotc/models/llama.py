@@ -20,7 +20,7 @@ from torch import nn
 
 from ..entry import entry
 from ..errors import ConfigError
-from ..kvcache import Fp8Rows, layer_views, load, row_spec, store, zeros
+from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
@@ -281,7 +281,6 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn
         dtype = self.input_layernorm.weight.dtype
         h = a.q_proj.in_features
-        spec = row_spec(a.kv_rows, (shapes.slots, a.kv_heads, shapes.max_seq), a.head_dim, dtype)
         positions = torch.zeros(rows, dtype=torch.long)
         return (
             torch.zeros(rows, h, dtype=dtype),
@@ -289,8 +288,9 @@ class LlamaDecoderLayer(nn.Module):
             torch.zeros(rows, a.head_dim, dtype=dtype),
             positions,
             positions.clone(),
-            zeros(spec)[:, :, : shapes.positions],  # decode at a context bucket: its first positions
-            zeros(spec)[:, :, : shapes.positions],
+            # [slots, kv_heads, positions, head_dim or packed bytes]: decode at a context bucket reads the first positions
+            shapes.cache("k", 2),
+            shapes.cache("v", 2),
         )
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import nn
@@ -43,10 +43,16 @@ class Bundle:
     checked: tempfile.TemporaryDirectory | None = None  # the artifacts' checked copies, removed with the bundle
 
     @classmethod
-    def load(cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None, load_artifacts: bool = True) -> "Bundle":
+    def load(
+        cls, path: Path | str, plugins: Sequence[str] = (), expect_digest: str | None = None, load_artifacts: bool = True,
+        only: Collection[tuple[str, int, int | None]] | None = None,
+    ) -> "Bundle":  # fmt: skip
         """Read the manifest, check every file's sha256, load every artifact.
         load_artifacts=False checks the files but loads none (aotc verify of a neuron
-        bundle, where the Neuron runtime is missing or artifacts are pending).
+        bundle, where the Neuron runtime is missing or artifacts are pending). `only`:
+        load just these (entry id, bucket, context) artifacts (aotc verify --entry; an
+        export program of a V4 block takes seconds to deserialize); the bundle cannot
+        then be bound.
 
         A bundle built with plugins needs them named in `plugins` (the user's
         --plugin): aotc never imports a module because a bundle names it.
@@ -89,7 +95,7 @@ class Bundle:
             bad = bad_file(art_dir, art.files)
             if bad:
                 raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
-            if load_artifacts:
+            if load_artifacts and (only is None or (entry.id, art.bucket, art.context) in only):
                 _check_signature(path, entry, art, backend.signature(art_dir))
                 crossed = crossed_weights(entry, backend.weight_paths(art_dir))
                 if crossed:
@@ -156,6 +162,8 @@ class Bundle:
         (Program.bind), and the model's caches allocated there too (allocate_caches)."""
         if self.backend is None:
             raise BundleError(f"{self.dir}: loaded without its artifacts (load_artifacts=False); it cannot run")
+        if len(self.programs) != len(list(self.manifest.artifacts())):
+            raise BundleError(f"{self.dir}: loaded with {len(self.programs)} of its artifacts (only=); load them all to run it")
         weights = bound_weights(self.manifest, model, self.dir)
         device = self.backend.device_for(rank, world_size)
         memo = StepMemo()

@@ -38,7 +38,7 @@ from ..backends import Backend, get_backend_class
 from ..backends.base import DeviceBuffer
 from ..entry import entries_of
 from ..format import Manifest, read_manifest
-from ..layout import Stored, keep_stored
+from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
 from ..models.base import load_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
@@ -79,6 +79,9 @@ class VerifyReport:
     weights: str  # the model folder, or "random"
     artifacts: list[ArtifactCheck]
     strict: bool = False
+    # The module classes whose compiled graphs run another algorithm than the eager method
+    # they are compared with (aotc.layout.compiled_forms).
+    algorithms: list[CompiledForm] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -103,7 +106,7 @@ def verify(
     runnable = not manifest.pending() and backend.can_load() is None
     has_reference = type(backend).reference is not Backend.reference
     # Without a reference to check instead, loading is tried anyway: it says what is missing.
-    bundle = Bundle.load(path, plugins=plugins, load_artifacts=runnable or not has_reference)
+    bundle = Bundle.load(path, plugins=plugins, load_artifacts=runnable or not has_reference, only={(e.id, a.bucket, a.context) for e, a in chosen})
     if model_dir is None and Path(manifest.model.source).is_dir():
         model_dir = manifest.model.source
     if model_dir is not None:
@@ -158,7 +161,8 @@ def verify(
                         check.problems.append(f"{reference.label} and {first} write cache {i} differently")
             else:
                 check.reference_vs, check.reference_max_abs = "eager", check.max_abs
-    return VerifyReport(str(path), name, weights, checks, strict)
+    algorithms = compiled_forms(*(model.get_submodule(p) for entry, _ in chosen for p in entry.instances))
+    return VerifyReport(str(path), name, weights, checks, strict, algorithms)
 
 
 def _rows(bucket: int, buckets: list[int]) -> int:

@@ -229,17 +229,18 @@ def test_runs_first_for_static_backends_only():
 
 # -- DeepSeek V4: every entry traced static and run against eager ----------------------------
 
-SHAPES = Shapes(slots=5, max_seq=64)  # slots 0-3, scratch 4
-
-
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
     return load_model(write_tiny(tmp_path_factory.mktemp("v4") / "m", arch="deepseek_v4", layers=4)).model
 
 
-def v4_inputs(layer, spec, generator):
+def shapes_of(model):
+    return Shapes.of(model, slots=5, max_seq=64)  # slots 0-3, scratch 4; caches from the model's cache_specs()
+
+
+def v4_inputs(layer, spec, generator, shapes):
     """Real inputs for 3 rows and random caches (as if earlier tokens had written them)."""
-    named = dict(zip(spec.params, layer.example_inputs(spec.method, 3, SHAPES)))
+    named = dict(zip(spec.params, layer.example_inputs(spec.method, 3, shapes)))
     out = {name: torch.randn(a.shape, generator=generator).to(a.dtype) if a.dtype.is_floating_point else a for name, a in named.items()}
     if "ids" in out:
         out["ids"] = torch.randint(3, 300, (3,), generator=generator)
@@ -252,16 +253,16 @@ def v4_inputs(layer, spec, generator):
 
 def test_every_v4_entry_is_static_and_matches_eager(v4):
     g = torch.Generator().manual_seed(0)
-    variants = find_variants(v4, SHAPES)
+    variants = find_variants(v4, shapes_of(v4))
     assert len(variants) == 9  # sliding (hash / routed MoE), CSA, HCA x decode, prefill, and the head
     for variant in variants:
-        graph = trace(variant, 4, SHAPES, get_backend_class("xla")())
+        graph = trace(variant, 4, shapes_of(v4), get_backend_class("xla")())
         gm, spec = graph.graph_module, variant.spec
         assert not has_unbacked(gm) and not DATA_DEPENDENT & set(targets(gm))
         if "Block" in variant.entry_id:
             assert sum(t is aten.nonzero_static.default for t in targets(gm)) == 4  # one per expert
         for path, layer in variant.instances:
-            inputs = v4_inputs(layer, spec, g)
+            inputs = v4_inputs(layer, spec, g, shapes_of(v4))
             eager = [a.clone() for a in inputs.values()]
             expected = getattr(layer, spec.method)(*eager)
             args = []  # 3 real rows and a padding row in bucket 4; it writes to the scratch slot
@@ -278,15 +279,15 @@ def test_every_v4_entry_is_static_and_matches_eager(v4):
 def test_v4_keeps_unbacked_nonzero_for_export(v4, tmp_path):
     """Export and inductor targets keep the data-dependent MoE; the saved program runs it."""
     g = torch.Generator().manual_seed(1)
-    variant = next(v for v in find_variants(v4, SHAPES) if v.entry_id == "HCABlock.decode")
-    graph = trace(variant, 3, SHAPES, None)
+    variant = next(v for v in find_variants(v4, shapes_of(v4)) if v.entry_id == "HCABlock.decode")
+    graph = trace(variant, 3, shapes_of(v4), None)
     assert has_unbacked(graph.graph_module)
     assert sum(t is aten.nonzero_numpy.default for t in targets(graph.graph_module)) == 4
     graph.program.example_inputs = None
     torch.export.save(graph.program, str(tmp_path / "p.pt2"))
     loaded = torch.export.load(str(tmp_path / "p.pt2")).module()
     layer = variant.module
-    inputs = v4_inputs(layer, variant.spec, g)
+    inputs = v4_inputs(layer, variant.spec, g, shapes_of(v4))
     eager = [a.clone() for a in inputs.values()]
     expected = layer.decode(*eager)
     args = [a.clone() for a in inputs.values()]
@@ -301,15 +302,15 @@ def test_v4_static_graph_with_skinny_linears_compiles_with_inductor(v4, tmp_path
     assertion (atomic_add_vec) on the sliding block's decode at bucket 1: both passes,
     then AOTInductor, then the numbers against eager."""
     g = torch.Generator().manual_seed(2)
-    variant = next(v for v in find_variants(v4, SHAPES) if v.entry_id == "SlidingBlock.decode.v0")
-    graph = trace(variant, 1, SHAPES, get_backend_class("xla")())
+    variant = next(v for v in find_variants(v4, shapes_of(v4)) if v.entry_id == "SlidingBlock.decode.v0")
+    graph = trace(variant, 1, shapes_of(v4), get_backend_class("xla")())
     assert RewriteSkinnyLinears()(graph.graph_module).changes > 0
     assert not has_unbacked(graph.graph_module)
     backend = InductorBackend()
     backend.compile(graph.program, Specs(graph.inputs, graph.outputs), tmp_path)
     program = backend.load(tmp_path, None)
     layer, spec = variant.module, variant.spec
-    inputs = {k: (v if k in spec.caches else v[:1]) for k, v in v4_inputs(layer, spec, g).items()}
+    inputs = {k: (v if k in spec.caches else v[:1]) for k, v in v4_inputs(layer, spec, g, shapes_of(v4)).items()}
     eager = [a.clone() for a in inputs.values()]
     expected = layer.decode(*eager)
     args = [a.clone() for a in inputs.values()]

@@ -94,9 +94,9 @@ class Block(nn.Module):
         return self.attend(x, positions, slots, k_cache, v_cache, one_sequence=True)
 
     def example_inputs(self, method, rows, shapes):
-        cache = torch.zeros(shapes.slots, self.heads, shapes.max_seq, self.head_dim)
         index = torch.zeros(rows, dtype=torch.long)
-        return torch.zeros(rows, self.heads * self.head_dim), index, index.clone(), cache, cache.clone()
+        # One layer's k and v caches, as cache_specs states them: [slots, heads, positions, head_dim].
+        return torch.zeros(rows, self.heads * self.head_dim), index, index.clone(), shapes.cache("k", 2), shapes.cache("v", 2)
 
 
 class Head(nn.Module):
