@@ -32,9 +32,12 @@ from aotc.runtime import generate  # noqa: E402
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
 
 
-def hf_model(seed=0, index_n_heads=8, **more):
+def hf_model(seed=0, index_n_heads=8, tables="distinct", **more):
     """A tiny random V4 with every layer type and both MoE kinds; window 8, CSA every 4, HCA every 8.
-    `more`: other config fields (the same seed gives the same weights)."""
+    `more`: other config fields (the same seed gives the same weights). tables="distinct":
+    each hash-routing table sends a token to two different experts; "repeats": layer 0's
+    is transformers' default (zeros: every token to expert 0 in both slots), layer 1's is
+    random with repeats."""
     torch.manual_seed(seed)
     config = transformers.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
@@ -49,8 +52,10 @@ def hf_model(seed=0, index_n_heads=8, **more):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # transformers initializes these to zeros; make them matter
         for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
+            if name.endswith("tid2eid") and tables == "distinct":
                 b.copy_(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(b.shape[0])]))
+            elif name.endswith("tid2eid") and ".layers.1." in name:
+                b.copy_(torch.randint(0, 4, b.shape, generator=g))
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         for name, p in model.named_parameters():
@@ -66,6 +71,21 @@ def pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("v4") / "hf"
     hf.save_pretrained(path)
     return path, hf, load_model(path)
+
+
+@pytest.fixture(scope="module")
+def repeats(tmp_path_factory):
+    """A V4 whose hash-routing tables send tokens to one expert in both slots."""
+    hf = hf_model(tables="repeats")
+    path = tmp_path_factory.mktemp("v4-repeats") / "hf"
+    hf.save_pretrained(path)
+    expected = [transformers_tokens(hf, prompts, NEW) for prompts in routed_batches()]
+    return path, expected
+
+
+def transformers_tokens(hf, prompts, n):
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist() for p in prompts]
 
 
 def ids_of(n, seed):
@@ -304,3 +324,53 @@ def test_config_errors(pair, tmp_path, change, message):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path / "m")
+
+
+NEW = 8  # tokens generated per prompt in the routing tests
+
+
+def routed_batches():
+    """Batch 1, and a batch of 3 (in bucket 4 when compiled)."""
+    return [[ids_of(23, 5).tolist()], [ids_of(n, n).tolist() for n in (5, 23, 37)]]
+
+
+def test_a_token_routed_to_one_expert_in_two_slots_matches_transformers(repeats):
+    """transformers sums each (token, slot) pair, so a token a hash table sends to one
+    expert twice gets it twice, each weighted by its slot: aotc's one row per token and
+    expert, weighted by both slots, is the same sum (eager stopped at a torch._check)."""
+    path, expected = repeats
+    ours = load_model(path).model
+    tables = [layer.ffn.gate.tid2eid for layer in ours.model.layers if layer.ffn.gate.hashed]
+    assert (tables[0] == 0).all() and (tables[1][:, 0] == tables[1][:, 1]).any() and (tables[1][:, 0] != tables[1][:, 1]).any()
+    for prompts, want in zip(routed_batches(), expected):
+        result = generate(ours, prompts, NEW, max_batch=4, max_seq=64, stop_at_eos=False)
+        assert [s.new_ids for s in result.sequences] == want
+
+
+# CI compiles on export; inductor and xla under slow.
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)])
+def test_a_token_routed_to_one_expert_in_two_slots_compiled_matches_transformers(repeats, tmp_path, backend):
+    """Compiled: decode at bucket 4 gathers each row's picks from the stacked experts (the
+    same expert twice), prefill runs each expert once on its rows; static shapes on xla."""
+    from aotc.build import BuildOptions, build
+    from aotc.runtime import Bundle
+
+    path, expected = repeats
+    out = build(BuildOptions(path, out=tmp_path / backend, backend=backend, batch_buckets=(4,), chunk_buckets=(16,), max_seq=64, use_cache=False)).out
+    bundle, model = Bundle.load(out), load_model(path).model
+    bundle.bind(model)
+    for prompts, want in zip(routed_batches(), expected):
+        result = generate(model, prompts, NEW, max_batch=4, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+        assert [s.new_ids for s in result.sequences] == want
+
+
+def test_a_routing_table_naming_an_expert_that_does_not_exist_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "v4"
+    assert CliRunner().invoke(app, ["init", "tiny", str(path), "--arch", "deepseek_v4", "--layers", "3"]).exit_code == 0
+    tensors = load_file(path / "model.safetensors")
+    name = next(k for k in sorted(tensors) if k.endswith("tid2eid"))
+    tensors[name][7, 1] = 4  # 4 routed experts: 0..3
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    r = CliRunner().invoke(app, ["run", str(path), "--eager", "--prompt", "Hello", "--max-new-tokens", "2"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"model.safetensors: tensor '{name}' sends token 7 to expert 4 (slot 1); expected expert indices 0..3" in said, r.output

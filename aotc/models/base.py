@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container
+from typing import Callable, Container
 
 import torch
 from torch import nn
@@ -65,6 +65,10 @@ class CausalLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (not in checkpoints) after weights were loaded."""
+
+    def check_values(self, describe: Callable[[str], str]) -> None:
+        """Check loaded values that the model's code indexes with (a routing table), and raise
+        WeightsError for a bad one; describe(param) names its file and checkpoint tensor."""
 
     def round_max_seq(self, n: int) -> int:
         """The cache length to allocate for n positions (some models need a multiple of a block)."""
@@ -281,6 +285,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
     for param, source in model.tied_parameters().items():
         state[param] = state[source]
     model.load_state_dict(state, strict=True, assign=True)
+    model.check_values(lambda param: f"{checkpoint.info(names[param]).file}: tensor {names[param]!r}")
     # assign=True replaces Parameter objects; re-tie so tied weights stay one tensor.
     for param, source in model.tied_parameters().items():
         owner, _, leaf = param.rpartition(".")

@@ -31,7 +31,9 @@ Data-dependent steps (everything else has static shapes: top-k with a fixed
 k, gathers by slot, masks):
   * MoE.forward keeps its natural form: `nonzero` finds each expert's tokens,
     then a gather and an `index_add_` of data-dependent size, with a
-    `torch._check` that an expert gets at most one row per token. Traced, these
+    `torch._check` that an expert gets at most one row per token (true by
+    construction: a token that picks an expert in two slots is one row,
+    weighted by both slots' weights). Traced, these
     are unbacked sizes: export and inductor compile them as they are; for
     static-shape backends (xla, neuron) the strip_data_dependent pass turns
     them into `nonzero_static` with padded rows masked out of the `index_add_`.
@@ -53,7 +55,7 @@ from torch import nn
 from ..entry import entry
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from ..layout import Derived
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightsError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
@@ -521,11 +523,17 @@ class MoE(nn.Module):
         return out + self.shared_experts(x)
 
     def each_expert(self, x, chosen, weights):
+        """Each expert once on the tokens routed to it, each token once per expert: a token
+        whose picks name one expert in several slots (a hash-routing table may) gets it
+        weighted by the sum of those slots' weights, what transformers' sum over (token,
+        slot) pairs gives."""
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-            torch._check(rows.shape[0] <= x.shape[0])  # a token picks an expert at most once
-            out.index_add_(0, rows, (expert(x[rows]) * weights[rows, slot, None]).to(out.dtype))
+            picked = chosen == e  # [N, k]
+            (rows,) = picked.any(dim=-1).nonzero(as_tuple=True)  # the tokens routed to expert e
+            torch._check(rows.shape[0] <= x.shape[0])  # one row per token, whatever the picks: the static bound
+            w = (weights * picked).sum(dim=-1)  # [N]: the weight of expert e for each token
+            out.index_add_(0, rows, (expert(x[rows]) * w[rows, None]).to(out.dtype))
         return out
 
     def gathered(self, x, chosen, weights, stacked):
@@ -723,6 +731,23 @@ class DeepseekV4ForCausalLM(CausalLM):
         for layer in self.model.layers:
             for kind in ("main", "compress"):
                 setattr(layer.attn, f"{kind}_inv_freq", rope_inv_freq(self.config, kind)[0])
+
+    def check_values(self, describe) -> None:
+        """A hash-routing table names experts that exist: the graphs index the stacked
+        experts with it, and an index past them reads other memory or fails in a kernel."""
+        n = self.config.n_routed_experts
+        for i, layer in enumerate(self.model.layers):
+            gate = layer.ffn.gate
+            if not gate.hashed:
+                continue
+            bad = ((gate.tid2eid < 0) | (gate.tid2eid >= n)).nonzero()
+            if len(bad):
+                token, slot = bad[0].tolist()
+                raise WeightsError(
+                    f"{describe(f'model.layers.{i}.ffn.gate.tid2eid')} sends token {token} to expert {gate.tid2eid[token, slot].item()} "
+                    f"(slot {slot}); expected expert indices 0..{n - 1}, as config.json's n_routed_experts is {n}. "
+                    "The checkpoint does not belong to this config.json"
+                )
 
     def round_max_seq(self, n: int) -> int:
         step = math.lcm(self.config.compress_rate_csa, self.config.compress_rate_hca)
