@@ -317,7 +317,7 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
-    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches (a token at a near-tie is reported, not failed) and the logits agree within tol + tol x |eager logit|, tol set by the dtype and backend (fp32 1e-3, bf16 1e-1; x5 on xla and neuron)."),
+    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless every token matches (a token at a near-tie is reported, not failed) and the logits agree within tol + tol x |eager logit|, tol set by the dtype and backend (fp32 1e-3, bf16 1e-1; x5 on xla and neuron). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
@@ -512,7 +512,8 @@ def verify(
     bfloat16, 2e-2 for float16; x5 on xla and neuron), every other cache entry is
     unchanged but the scratch slot's, and, for xla and neuron bundles, hlo.pb (the file
     neuronx-cc compiles), compiled as it is by XLA's CPU client, agrees with model.jax
-    (xla) or eager (neuron). Exit 1 on any mismatch."""
+    (xla) or eager (neuron). Exit 1 on any mismatch. Lists each module class whose
+    compiled form runs another algorithm than the eager method it is compared with."""
     from .runtime.verify import verify as run_verify
     from .format import artifact_label
 

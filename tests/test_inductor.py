@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -74,7 +75,6 @@ def test_a_cpu_without_an_extension_the_code_uses_is_refused_at_load(inductor_bu
 @pytest.mark.slow
 def test_a_portable_build_has_no_avx512_instructions(tiny_dir, tmp_path):
     import subprocess
-    import zipfile
 
     result = build(BuildOptions(tiny_dir, out=tmp_path / "b", use_cache=False, compiler_flags=PORTABLE, **OPTIONS))
     for e, a in result.manifest.artifacts():
@@ -272,8 +272,6 @@ def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
     which the loader's get_metadata() reads: gate_proj and up_proj crossed in the manifest
     are refused; so is a package whose metadata files disagree (whichever the loader reads),
     or that records none."""
-    import zipfile
-
     bundle = tmp_path / "crossed"
     shutil.copytree(inductor_bundles[0].out, bundle)
     cross_weights(bundle / "manifest.json")
@@ -286,10 +284,7 @@ def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
         members = {i.filename: z.read(i) for i in z.infolist()}
     (kernel,) = [n for n in members if n.endswith("kernel_metadata.json")]
     members[kernel] = members[kernel].replace(b"norm.weight", b"lm_head.weight")
-    with zipfile.ZipFile(package, "w") as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    rehash(bundle)
+    _rewrite(package, members, bundle)
     with pytest.raises(BundleError, match=r"LMHead.forward/b\d+/model.pt2: its metadata files record different weights"):
         Bundle.load(bundle)
     # No record at all (both files without the key): refused, naming what is missing.
@@ -297,12 +292,17 @@ def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
         metadata = json.loads(members[name])
         metadata.pop("aotc_weights")
         members[name] = json.dumps(metadata).encode()
+    _rewrite(package, members, bundle)
+    with pytest.raises(BundleError, match=r"model.pt2: its aotc_weights metadata \(which tensor each weight input is\) is None, not a list of weight paths"):
+        Bundle.load(bundle)
+
+
+def _rewrite(package, members: dict[str, bytes], bundle) -> None:
+    """Write the package's members back (edited) and fix the bundle's hashes."""
     with zipfile.ZipFile(package, "w") as z:
         for name, data in members.items():
             z.writestr(name, data)
     rehash(bundle)
-    with pytest.raises(BundleError, match=r"model.pt2: its aotc_weights metadata \(which tensor each weight input is\) is None, not a list of weight paths"):
-        Bundle.load(bundle)
 
 
 def test_default_backend_falls_back_to_export_without_a_compiler(monkeypatch):
