@@ -119,3 +119,30 @@ def test_a_file_that_is_not_a_zip_is_refused(tmp_path):
     path.write_bytes(b"not a zip")
     with pytest.raises(BundleError, match=r"refused, not an archive aotc wrote \(BadZipFile"):
         check_archive(path)
+
+
+def test_a_program_loads_the_same_with_the_schema_hints_remembered(archive, monkeypatch):
+    """load_program remembers the schema's type hints (pytorch#196452): the program it
+    rebuilds equals torch's own load node for node, and each class's hints are looked up once."""
+    import typing
+
+    from torch._export.serde import serialize
+
+    from aotc.backends import export
+
+    data = archive.read_bytes()
+    monkeypatch.setattr(serialize, "typing", typing)  # torch as it ships
+    theirs = torch.export.load(archive)
+    export._resolve_schema_hints_once.cache_clear()
+    ours = export.load_program(data)
+    assert serialize.typing is not typing and serialize.typing.get_origin is typing.get_origin
+    assert ours.graph_module.code == theirs.graph_module.code
+    assert [(n.name, str(n.target), n.meta["val"].shape if "val" in n.meta and hasattr(n.meta["val"], "shape") else None) for n in ours.graph.nodes] == [
+        (n.name, str(n.target), n.meta["val"].shape if "val" in n.meta and hasattr(n.meta["val"], "shape") else None) for n in theirs.graph.nodes
+    ]
+    assert ours.graph_signature == theirs.graph_signature
+    looked_up = []
+    real = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda *a, **k: looked_up.append(a[0]) or real(*a, **k))
+    export.load_program(data)
+    assert looked_up == []  # every class of this program was seen by the first load

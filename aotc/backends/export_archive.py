@@ -20,6 +20,7 @@ refuses anything aotc's export backend does not write:
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import zipfile
@@ -70,15 +71,16 @@ def program_weights(path: Path) -> list[str]:
     return _checked(path)[1]
 
 
-def check_archive(path: Path) -> dict:
+def check_archive(path: Path, data: bytes | None = None) -> dict:
     """Refuse an export archive that holds anything aotc's export backend does not write;
-    returns the program's JSON."""
-    return _checked(path)[0]
+    returns the program's JSON. `data`: the archive's bytes, read once by a caller that
+    hands the same bytes to torch next (else the file at `path` is read)."""
+    return _checked(path, data)[0]
 
 
-def _checked(path: Path) -> tuple[dict, list[str]]:
+def _checked(path: Path, data: bytes | None = None) -> tuple[dict, list[str]]:
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(path if data is None else io.BytesIO(data)) as z:
             infos = {i.filename: i for i in z.infolist()}
             prefixes = {name.split("/", 1)[0] for name in infos}
             if len(prefixes) != 1:

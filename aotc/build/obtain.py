@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..backends import Backend, Progress, Specs
-from ..backends.export import save_program
+from ..backends.export import load_program, save_program
 from ..cache import LocalCache
 from ..cache.local import CacheError
 from ..format import ArtifactRecord, CompiledRecord, Form, PassRecord, Served, artifact_dir, convert, sha256_file
@@ -150,7 +150,7 @@ def _portable(k: KeyedGraph) -> _Portable:
 def _worker(options: BuildOptions, portable: _Portable, out_dir: Path | None) -> BuiltArtifact:
     """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
     silence_third_party_warnings()  # a spawned process starts with the default filters
-    program = torch.export.load(io.BytesIO(portable.program))
+    program = load_program(portable.program)
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
     cache = LocalCache(options.cache_dir) if options.use_cache else None
