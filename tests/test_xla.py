@@ -39,6 +39,15 @@ def test_torchax_needs_the_shim_on_this_torch_and_the_shim_is_narrow():
     assert not any(hasattr(getattr(torch.ops.aten, op), overload) for op, overload in dropped)
 
 
+def test_torch_compile_works_in_a_process_that_imported_torchax():
+    """torchax's "jax" device claims to be an available accelerator without the hooks that
+    torch.accelerator calls: torch.compile then failed in any process that had used the
+    xla backend (dynamo reads the current stream)."""
+    import_torchax()
+    assert not torch.accelerator.is_available()
+    assert torch.equal(torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def xla_bundle(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"xla-{request.param}")

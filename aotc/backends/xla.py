@@ -102,6 +102,7 @@ def import_torchax():
         import torchax.ops.jaten  # noqa: F401  (registers the aten -> JAX lowerings)
     _fix_nonzero_static()
     _fix_view_dtype()
+    _fix_accelerator()
     return torchax
 
 
@@ -139,6 +140,22 @@ def _fix_view_dtype() -> None:
 
     entry = ops_registry.all_aten_ops[torch.ops.aten.view]
     ops_registry.all_aten_ops[torch.ops.aten.view.dtype] = dataclasses.replace(entry, func=view_dtype)
+
+
+def _fix_accelerator() -> None:
+    """torchax 0.0.13 names torch's privateuse1 device "jax" with a device module whose
+    is_available() is True, but registers no device hooks: torch.accelerator then reports
+    an accelerator whose current_device_index() raises, and every torch.compile in the
+    process fails (dynamo reads the current stream). aotc lowers programs through JAX and
+    never makes tensors on that device, so where torch.accelerator is broken this way the
+    module says it is unavailable. Remove when torchax registers its device's hooks."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != "jax":
+        return
+    try:
+        torch.accelerator.current_device_index()
+    except RuntimeError:
+        torch.get_device_module("jax").is_available = lambda: False
 
 
 # -- lowering ---------------------------------------------------------------------
