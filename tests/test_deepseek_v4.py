@@ -347,23 +347,6 @@ def test_a_token_routed_to_one_expert_in_two_slots_matches_transformers(repeats)
         assert [s.new_ids for s in result.sequences] == want
 
 
-# CI compiles on export; inductor and xla under slow.
-@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)])
-def test_a_token_routed_to_one_expert_in_two_slots_compiled_matches_transformers(repeats, tmp_path, backend):
-    """Compiled: decode at bucket 4 gathers each row's picks from the stacked experts (the
-    same expert twice), prefill runs each expert once on its rows; static shapes on xla."""
-    from aotc.build import BuildOptions, build
-    from aotc.runtime import Bundle
-
-    path, expected = repeats
-    out = build(BuildOptions(path, out=tmp_path / backend, backend=backend, batch_buckets=(4,), chunk_buckets=(16,), max_seq=64, use_cache=False)).out
-    bundle, model = Bundle.load(out), load_model(path).model
-    bundle.bind(model)
-    for prompts, want in zip(routed_batches(), expected):
-        result = generate(model, prompts, NEW, max_batch=4, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
-        assert [s.new_ids for s in result.sequences] == want
-
-
 def test_a_routing_table_naming_an_expert_that_does_not_exist_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "v4"
     assert CliRunner().invoke(app, ["init", "tiny", str(path), "--arch", "deepseek_v4", "--layers", "3"]).exit_code == 0

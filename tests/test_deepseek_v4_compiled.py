@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from aotc.backends.inductor import InductorBackend
 from aotc.backends.xla import XlaBackend
@@ -58,6 +59,17 @@ def v4_dir(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("v4") / "v4", arch="deepseek_v4", layers=4)
 
 
+@pytest.fixture(scope="module")
+def v4_export(v4_dir, tmp_path_factory):
+    """v4_dir's export bundle, built once: the tests that take it only read it."""
+    return v4_build(v4_dir, tmp_path_factory.mktemp("v4-export"), "export")
+
+
+def built(request, v4_dir, tmp_path, backend):
+    """The module's export bundle, or a build on another backend (those run under slow)."""
+    return request.getfixturevalue("v4_export") if backend == "export" else v4_build(v4_dir, tmp_path, backend)
+
+
 def v4_build(v4_dir, tmp_path, backend, buckets=(1, 4), **more):
     options = BuildOptions(v4_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(128,), max_seq=1024, backend=backend, use_cache=False, **more)
     return build(options)
@@ -70,8 +82,8 @@ def hlo_dynamic_dims(text: str) -> list[str]:
 
 # CI runs the cheap backend; xla (3 minutes here) under slow.
 @pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax")])])
-def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
-    result = v4_build(v4_dir, tmp_path, backend)
+def test_v4_builds_and_matches_eager(request, v4_dir, tmp_path, backend):
+    result = built(request, v4_dir, tmp_path, backend)
     manifest = result.manifest
     # Graphs per layer type and MoE kind, not per layer: 4 layers, 4 block variants.
     # Compressed attention decodes per context bucket (256, 1024: max_seq); the sliding
@@ -119,6 +131,34 @@ def test_v4_builds_and_matches_eager(v4_dir, tmp_path, backend):
     w1 = [x.w1.weight for x in layer.ffn.experts]  # views of one stacked tensor, expert after expert
     assert len({w.untyped_storage().data_ptr() for w in w1}) == 1
     assert [w.storage_offset() for w in w1] == [e * w1[0].numel() for e in range(4)]
+
+
+def with_repeated_picks(v4_dir, out):
+    """v4_dir with hash-routing tables that send tokens to one expert in both slots: the
+    first hash layer's every token to expert 0 (transformers' default table, zeros), the
+    second's at random (some tokens to two experts, some to one twice)."""
+    shutil.copytree(v4_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    first, second = sorted(k for k in tensors if k.endswith("tid2eid"))
+    tensors[first] = torch.zeros_like(tensors[first])
+    tensors[second] = torch.randint(0, 4, tensors[second].shape, generator=torch.Generator().manual_seed(0)).to(tensors[second].dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+# CI compiles on export; inductor and xla under slow.
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)])
+def test_a_token_routed_to_one_expert_in_two_slots_runs_compiled_as_eager(request, v4_dir, tmp_path, backend):
+    """Decode at bucket 4 gathers each row's picks from the stacked experts (the same expert
+    twice), prefill runs each expert once on its rows (weighted by both slots), static
+    shapes on xla; eager's sum is transformers' (test_deepseek_v4.py). The bundle is
+    v4_dir's: a checkpoint of the same shapes runs it."""
+    bundle = Bundle.load(built(request, v4_dir, tmp_path, backend).out)
+    repeats = with_repeated_picks(v4_dir, tmp_path / "repeats")
+    tables = [layer.ffn.gate.tid2eid for layer in load_model(repeats).model.model.layers if layer.ffn.gate.hashed]
+    assert (tables[0] == 0).all() and (tables[1][:, 0] == tables[1][:, 1]).any() and (tables[1][:, 0] != tables[1][:, 1]).any()
+    ps = prompts(load_model(repeats, weights=False).config.vocab_size)
+    check_against_eager(bundle, repeats, [ps, [ps[2]]])
 
 
 @pytest.mark.slow  # 2 minutes; CI builds neuron bundles of the tiny llama (test_neuron.py)
