@@ -20,6 +20,7 @@ from rich.table import Table
 from .errors import AotcError
 from .models.corpus import CORPUS
 from .quiet import VERBOSE_ENV, silence_third_party_warnings
+from .terminal import print_whole_when_piped
 
 app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graphs.", no_args_is_help=True, add_completion=False)
 
@@ -29,6 +30,7 @@ def _options(verbose: bool = typer.Option(False, "--verbose", help="Also show th
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # build workers inherit it
     silence_third_party_warnings()
+    print_whole_when_piped(console, err_console)
 init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
 app.add_typer(init_app, name="init")
 console = Console()

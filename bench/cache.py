@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from perf import console, table  # noqa: E402
+from common import console, table  # noqa: E402
 
 from aotc.format import encode, read_manifest, write_atomic  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402

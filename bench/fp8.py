@@ -21,7 +21,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from perf import console, table  # noqa: E402
+from common import console, table  # noqa: E402
 
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.fp8 import rescale_weights  # noqa: E402

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from perf import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
+from common import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
 
 from aotc import quant  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402

@@ -1,7 +1,7 @@
 """One fresh process that produces the first token of one prompt, then exits.
 
     python bench/ttft.py aotc    BUNDLE MODEL_DIR N_TOKENS
-    python bench/ttft.py compile MODEL_DIR N_TOKENS       # torch.compile baseline
+    python bench/ttft.py compile MODEL_DIR N_TOKENS [BACKEND]  # torch.compile baseline (default inductor)
     python bench/ttft.py eager   MODEL_DIR N_TOKENS
 
 Prints one JSON line: the mode, the token, and seconds from the start of this
@@ -51,7 +51,8 @@ def main() -> None:
         n = int(sys.argv[3])
         model = from_aotc(loaded.model)
         model.setup_caches(1, n + 1)
-        step = torch.compile(model, fullgraph=True, dynamic=False)
+        backend = sys.argv[4] if len(sys.argv) > 4 else "inductor"
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
         with torch.no_grad():
             logits = step(prompt(n)[None], torch.arange(n))[0, -1]
     else:

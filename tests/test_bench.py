@@ -1,35 +1,240 @@
-"""The benchmark scripts import and parse their options (their runs are long: run them by hand)."""
+"""Each section of bench/perf.py, run on the tiny model (--quick) with aotc's export
+backend and torch.compile's eager backend (labelled as such; bench runs use inductor for
+both). Each test checks the claims its section's labels make: the dtype a row names, a
+shape, a byte count, a ratio of two columns. CI runs the sections that take about 10 s
+this way (lowp: 25); those that start many processes or build DeepSeek V4 are marked slow."""
 
 from __future__ import annotations
 
-import subprocess
+import json
+import math
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py") if p.name not in ("gptfast.py", "ttft.py", "peers.py")))
-def test_each_benchmark_script_starts(script):
-    out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "usage:" in out.stdout
-
-
-def test_peers_section_is_skipped_with_the_reason_without_cmake(tmp_path, monkeypatch):
-    """--peers builds llama.cpp from source: without cmake it says so, records the
-    reason in the results, and writes nothing into the cache folder."""
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """(Run, sections): one run shared by this module's tests, as perf.py makes one."""
     sys.path.insert(0, str(BENCH))
     try:
-        import peers
-        import perf
+        import common
+
+        sections = common.load_sections()
+        run = common.Run(tmp_path_factory.mktemp("bench"), quick=True, backend="export", torch_compile_backend="eager")
+        yield run, sections
     finally:
         sys.path.remove(str(BENCH))
-    which = peers.shutil.which
-    monkeypatch.setattr(peers.shutil, "which", lambda tool: None if tool == "cmake" else which(tool))
-    cache, results = tmp_path / "cache", {}
-    perf.bench_peers({"tiny": tmp_path / "unused"}, tmp_path, results, cache)
-    assert results == {"peers": {"skipped": "cmake is not on PATH; llama.cpp is built from source"}}
-    assert not cache.exists()
+
+
+def ratio(row, a, b):
+    return row[a] / row[b]
+
+
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in ("common", "gptfast", "llamacpp", "ttft"))
+
+
+def test_each_benchmark_script_parses_its_options(bench, monkeypatch, capsys):
+    """Every script imports what it needs and answers --help (in this process: one import of torch)."""
+    for name in SCRIPTS:
+        module = runpy.run_path(str(BENCH / f"{name}.py"), run_name=f"bench_{name}")
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+        with pytest.raises(SystemExit) as stopped:
+            module["main"]()
+        assert stopped.value.code == 0 and "usage:" in capsys.readouterr().out, name
+
+
+def test_perf_lists_every_section_and_refuses_an_unknown_one(bench, monkeypatch, capsys):
+    main = runpy.run_path(str(BENCH / "perf.py"), run_name="bench_perf")["main"]
+    monkeypatch.setattr(sys, "argv", ["perf.py", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    out = capsys.readouterr().out
+    names = sorted(p.stem for p in (BENCH / "sections").glob("*.py") if p.stem != "__init__")
+    assert all(f"  {name}: " in out for name in names), out
+    monkeypatch.setattr(sys, "argv", ["perf.py", "--sections", "decode,nope"])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 2 and "--sections: unknown nope; expected some of" in capsys.readouterr().err
+
+
+def test_decode_rows_are_each_batch_bucket_of_the_bundles_timed(bench):
+    run, sections = bench
+    result = sections["decode"](run)
+    assert [r["batch"] for r in result["rows"]] == [1, 2, 4, 8]
+    for r in result["rows"]:
+        # the columns name what ran: the bundle's backend, torch.compile's backend
+        assert {"eager", "aotc export", "torch.compile (eager)"} <= set(r)
+        assert math.isclose(r["export/eager"], ratio(r, "aotc export", "eager"))
+        assert math.isclose(r["export/torch.compile (eager)"], ratio(r, "aotc export", "torch.compile (eager)"))
+
+
+def test_bandwidth_counts_every_weight_but_the_embedding_table(bench):
+    run, sections = bench
+    result = sections["bandwidth"](run)
+    with safe_open(run.model("tiny") / "model.safetensors", "pt") as f:
+        weights = sum(f.get_tensor(k).nbytes for k in f.keys() if not k.startswith("model.embed_tokens"))
+    assert result["weight_bytes"] == weights and "256 MiB" in result["definitions"]["copy bandwidth"]
+    for r in result["rows"]:
+        assert math.isclose(r["of roofline"], ratio(r, "roofline ms", "aotc export ms"))
+        assert math.isclose(r["weight GB/s"], weights / r["aotc export ms"] / 1e6)
+        assert r["targets met"] == (r["of roofline"] >= 0.7 and r["aotc / eager"] <= 0.4)
+
+
+@pytest.mark.slow
+def test_build_traces_as_many_graphs_at_every_layer_count(bench):
+    run, sections = bench
+    rows = sections["build"](run)["rows"]
+    assert [r["layers"] for r in rows] == [2, 4]
+    assert rows[0]["aotc graphs"] == rows[1]["aotc graphs"] == 3  # decode, prefill, head: one layer graph serves every layer
+    bundle = run.root / "build-4-bundle"
+    assert math.isclose(rows[1]["aotc bundle MB"], sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) / 1e6)
+    assert all("whole-model export MB" in r and "torch.compile (eager) s" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_memory_compares_with_the_checkpoint_it_built(bench):
+    run, sections = bench
+    result = sections["memory"](run)
+    config = json.loads((run.root / "mem" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (result["layers"], result["hidden"]) == (32, 256)
+    weights = (run.root / "mem" / "model.safetensors").stat().st_size
+    assert math.isclose(result["weight_MB"], weights / 1e6)
+    for r in result["rows"]:
+        assert math.isclose(r["of weight bytes"], r["peak RSS MB"] * 1e6 / weights)
+
+
+def test_lowp_each_row_reads_the_format_its_label_names(bench):
+    """The bf16 row once ran fp32 weights (config.json's dtype won over torch_dtype)."""
+    run, sections = bench
+    result = sections["lowp"](run)
+    rows = {r["weights"]: r for r in result["rows"]}
+    assert rows["fp32"]["layer matrices"] == "float32" and set(rows["fp32"]["MB read by dtype"]) == {"float32"}
+    assert rows["bf16"]["layer matrices"] == "bfloat16" and set(rows["bf16"]["MB read by dtype"]) == {"bfloat16"}
+    assert rows["fp8"]["layer matrices"] == "float8_e4m3fn"
+    for r in rows.values():
+        assert math.isclose(r["stored MB read"], sum(r["MB read by dtype"].values()))
+    assert math.isclose(rows["bf16"]["stored MB read"], rows["fp32"]["stored MB read"] / 2)  # every weight in half the bytes
+    for kind in ("fp32", "bf16"):  # the checkpoints hold what the rows name
+        with safe_open(run.root / f"lowp-tiny-{kind}" / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32" if kind == "fp32" else "BF16"}
+    assert math.isclose(rows["fp8"]["fp32 ms / this"], rows["fp32"]["step ms"] / rows["fp8"]["step ms"])
+
+
+@pytest.mark.slow
+def test_v4_bytes_read_are_the_chosen_experts_and_the_rest(bench):
+    run, sections = bench
+    result = sections["v4"](run)
+    from aotc.models.base import load_model
+
+    model = load_model(run.root / "v4-tiny").model
+    c = model.config
+    experts = sum(p.nbytes for n, p in model.named_parameters() if ".ffn.experts." in n)
+    assert result["expert_bytes_read"] == experts * c.num_experts_per_tok // c.n_routed_experts
+    assert result["params"] == sum(p.numel() for p in model.parameters())
+    assert result["bandwidth"]["bytes_read"] == result["expert_bytes_read"] + result["other_bytes_read"]
+    assert [r["what"] for r in result["rows"]] == ["prefill", "decode b1", "decode b4"]
+    assert (result["prompt_tokens"], result["chunk"], result["max_seq"]) == (40, 16, 64)
+
+
+def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
+    run, sections = bench
+    rows = sections["kvcache"](run)["rows"]
+    full, fp8 = rows
+    assert full["dtypes stored"] == "float32" and fp8["dtypes stored"] == "float32,float8_e4m3fn"  # fp8 values, float32 scales
+    from aotc.models.base import load_model
+
+    model = load_model(run.model("tiny")).model
+    c = model.config
+    assert full["bytes per token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k and v, fp32
+    assert 3.5 < fp8["full / this, bytes"] < 4  # an fp8 byte per value, and the scales
+    assert math.isclose(fp8["full / this, bytes"], full["bytes per token"] / fp8["bytes per token"])
+
+
+@pytest.mark.slow
+def test_prefill_chunks_cover_the_prompt_and_count_their_padding(bench):
+    run, sections = bench
+    rows = sections["prefill"](run)["rows"]
+    assert [r["chunk buckets"] for r in rows] == ["128", "512", "128,512"]
+    for r in rows:
+        pieces = [int(p) for p in r["chunks"].split("+")]
+        assert sum(pieces) == 715
+        buckets = [int(b) for b in r["chunk buckets"].split(",")]
+        assert r["rows computed"] == sum(min(b for b in buckets if b >= p) for p in pieces) >= 715
+    assert rows[2]["chunks"] == "512+128+75"  # the tail in the chunks that pad it least
+
+
+def test_context_reads_the_smallest_bucket_that_holds_the_position(bench):
+    run, sections = bench
+    result = sections["context"](run)
+    short, long = result["rows"]
+    assert (short["position"], short["positions read (4096 bundle)"]) == (128, "256")
+    assert (long["position"], long["positions read (4096 bundle)"]) == (4000, "4096")
+    assert math.isclose(result["figures"]["aotc/eager at 4000"], long["aotc export max_seq 4096 ms"] / long["eager ms"])
+
+
+@pytest.mark.slow
+def test_resident_counts_the_cache_bytes_a_step_copies(bench):
+    run, sections = bench
+    rows = sections["resident"](run)["rows"]
+    from aotc.models.base import load_model
+
+    c = load_model(run.model("tiny")).model.config
+    long, short = rows[1], rows[2]
+    assert (long["max_seq"], short["max_seq"]) == (1024, 256) and long["positions read"] == short["positions read"] == 256
+    slots = 2  # a batch-1 bundle's cache slots: the sequence and the scratch one
+    assert long["cache bytes"] == 2 * c.num_hidden_layers * slots * c.num_key_value_heads * 1024 * c.head_dim * 4
+    assert long["cache bytes copied / step"] == short["cache bytes copied / step"] == 0
+
+
+def test_overhead_rows_are_each_layer_count_and_batch(bench):
+    run, sections = bench
+    rows = sections["overhead"](run)["rows"]
+    assert [(r["layers"], r["batch"]) for r in rows] == [(2, 1), (2, 8), (4, 1), (4, 8)]
+    for r in rows:
+        assert r["bundle"] == "aotc export"
+        assert math.isclose(r["host us per step"], (r["step ms"] - r["in graphs ms"]) * 1e3)
+    by = {(r["layers"], r["batch"]): r["allocations per step"] for r in rows}
+    assert by[2, 1] == by[4, 1] and by[2, 8] == by[4, 8]  # the runtime's work per step does not grow with the layers
+
+
+@pytest.mark.slow
+def test_contention_runs_both_thread_policies_alone_and_beside_a_busy_loop(bench):
+    run, sections = bench
+    result = sections["contention"](run)
+    assert [r["threads"] for r in result["rows"]] == [f"{result['cpus']} (fixed)", "aotc default (free CPUs)"]
+    for r in result["rows"]:
+        assert math.isclose(r["with / alone"], ratio(r, "busy loop", "alone"))
+
+
+@pytest.mark.slow
+def test_ttft_runs_agree_on_the_first_token(bench):
+    run, sections = bench
+    result = sections["ttft"](run)
+    from aotc.models.base import load_model
+
+    model = load_model(run.model("tiny")).model
+    prompt = torch.arange(3, 3 + result["prompt_tokens"]) % 500 + 3  # bench/ttft.py's prompt
+    assert result["first_token"] == int(model.prompt_logits(prompt)[-1].argmax())
+    assert [r["what"] for r in result["rows"]] == ["aotc run (export bundle)", "torch.compile (eager), cold cache", "torch.compile (eager), warm cache", "eager"]
+    for r in result["rows"]:
+        assert math.isclose(r["vs torch.compile (eager) cold"], r["process_s"] / result["rows"][1]["process_s"])
+
+
+def test_peers_section_is_skipped_with_the_reason_without_cmake(bench, monkeypatch):
+    """--peers builds llama.cpp from source: without cmake it says so, records the
+    reason in the results, and writes nothing into the cache folder."""
+    run, sections = bench
+    import llamacpp
+
+    which = llamacpp.shutil.which
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else which(tool))
+    monkeypatch.setattr(run, "peers_cache", run.root / "peers-cache")
+    assert sections["peers"](run) == {"skipped": "cmake is not on PATH; llama.cpp is built from source"}
+    assert not run.peers_cache.exists()

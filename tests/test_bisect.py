@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from aotc.bisect import bisect
 from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import AotcError
+from aotc.format import read_manifest
 
 from .test_neuron import lowers
 
@@ -101,8 +103,6 @@ def test_bisect_errors(neuron_bundle, failing_on, tiny_bundle, tmp_path):
         bisect(tiny_bundle.out, "LMHead.forward", 1)
 
 
-
-
 def test_bisect_takes_the_entry_id_and_a_context_bucket(neuron_bundle, failing_on, tmp_path):
     """The entry id has no context in it: --context picks the artifact (default: the
     smallest), and one the entry lacks is refused naming those it has."""
@@ -112,3 +112,53 @@ def test_bisect_takes_the_entry_id_and_a_context_bucket(neuron_bundle, failing_o
     assert (result.context, result.code) == (64, "NCC_IINL902")
     r = CliRunner().invoke(app, ["bisect", str(neuron_bundle), "--entry", "LlamaDecoderLayer.decode", "--bucket", "1", "--context", "48"])
     assert r.exit_code == 2 and "--context 48: LlamaDecoderLayer.decode has context buckets 32, 64" in " ".join(r.output.split())
+
+
+def _table(text: str, title: str) -> list[list[str]]:
+    """The body rows of the rich table printed after the line holding `title`, as cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if title in line)
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("│"):
+            rows.append([c.strip() for c in line.strip("│").split("│")])
+        elif line.startswith("└"):
+            break
+    return rows
+
+
+def test_build_verify_and_bisect_piped_into_a_file_print_every_line_whole(neuron_bundle, failing_on, tiny_dir, tmp_path):
+    """Output that is not a terminal is never wrapped or cut: in a file, the reproduce
+    command is one line, each path is whole, and each table cell is whole."""
+    failing_on("rsqrt")
+    deep = tmp_path / ("a-folder-name-longer-than-a-terminal-is-wide-" * 2)  # every path below is over 80 columns
+    out, work = deep / "bundle", deep / "work"
+    script = (
+        f"aotc build {tiny_dir} --backend export --buckets 1 --prefill-chunk 16 --max-seq 32 --no-cache -o {out} > {deep}/build.txt 2>&1 && "
+        f"aotc verify {out} > {deep}/verify.txt 2>&1 && "
+        f"aotc bisect {neuron_bundle} --entry LlamaDecoderLayer.decode --bucket 1 --work {work} > {deep}/bisect.txt 2>&1"
+    )
+    deep.mkdir()
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    texts = {name: (deep / f"{name}.txt").read_text() for name in ("build", "verify", "bisect") if (deep / f"{name}.txt").exists()}
+    assert r.returncode == 0, texts
+    for name, text in texts.items():
+        assert "…" not in text, (name, text)
+
+    built = read_manifest(out)
+    expected = {(e.id, str(a.bucket), "" if a.context is None else str(a.context)) for e in built.entries for a in e.artifacts}
+    assert any(f"{out}  (export, " in line for line in texts["build"].splitlines())
+    assert {tuple(row[:3]) for row in _table(texts["build"], f"{out}  (export")} == expected
+    assert any(f"{out}  (export, weights: " in line for line in texts["verify"].splitlines())
+    rows = _table(texts["verify"], f"{out}  (export")
+    assert {tuple(row[:3]) for row in rows} == expected
+    for row in rows:
+        float(row[4]), float(row[5]), float(row[6])  # max abs, max rel, tolerance: whole numbers
+        assert row[-1] == "ok"
+
+    lines = texts["bisect"].splitlines()
+    reproduce = [line for line in lines if line.startswith("reproduce: ")]
+    assert len(reproduce) == 1 and reproduce[0].startswith(f"reproduce: cd {work}/") and " && neuronx-cc compile hlo.pb --framework XLA --target trn2" in reproduce[0]
+    assert [line for line in lines if line.startswith("minimal HLO: ")][0].endswith("hlo.pb")
+    source = next(line for line in lines if "rsqrt = aten.rsqrt.default" in line)
+    assert "aotc/models/llama.py" in source and source.endswith(", in forward")

@@ -47,6 +47,7 @@ def edit_weights(path, fn):
         (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), r"rope_type 'yarn' is not supported"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope scaling 'llama3' needs a number in field 'low_freq_factor'"),
         (dict(dtype="float8"), r"field 'dtype' is 'float8'"),
+        (dict(torch_dtype="bfloat16"), r"fields 'dtype' \('float32'\) and 'torch_dtype' \('bfloat16'\) disagree; .* keep one"),
     ],
 )
 def test_config_errors(model, changes, message):

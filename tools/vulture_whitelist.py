@@ -58,3 +58,9 @@ _.__class__
 _.sent
 _.received
 buffers
+
+# Bundle.wrap_steps: a profiler's hook, called by bench/sections/overhead.py and context.py.
+_.wrap_steps
+
+# Set on rich's Console objects, read by rich (aotc/terminal.py).
+_.soft_wrap

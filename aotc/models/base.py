@@ -37,8 +37,15 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def read_dtype(cfg: ConfigReader) -> torch.dtype:
-    # transformers 5 writes "dtype", older versions "torch_dtype".
-    name = cfg.config.get("dtype") or cfg.config.get("torch_dtype") or "float32"
+    # transformers 5 writes "dtype", older versions "torch_dtype". A config with both
+    # that disagree ran one silently (a bench's "bf16" row loaded fp32): refused.
+    dtype, torch_dtype = cfg.config.get("dtype"), cfg.config.get("torch_dtype")
+    if dtype and torch_dtype and dtype != torch_dtype:
+        raise ConfigError(
+            f"{cfg.source}: fields 'dtype' ({dtype!r}) and 'torch_dtype' ({torch_dtype!r}) disagree; they name the same "
+            "thing (transformers 5 writes 'dtype', older versions 'torch_dtype'): keep one"
+        )
+    name = dtype or torch_dtype or "float32"
     if name not in _DTYPES:
         raise ConfigError(f"{cfg.source}: field 'dtype' is {name!r}; expected one of {', '.join(_DTYPES)}")
     return _DTYPES[name]

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -201,6 +201,18 @@ class Bundle:
             for name, value in list(vars(module).items()):
                 if isinstance(value, (Dispatcher, DeviceAllocator)):
                     delattr(module, name)
+
+    @staticmethod
+    def wrap_steps(model: nn.Module, wrap: Callable[[Callable, tuple], Callable]) -> None:
+        """Replace each bound graph's run, run(args, call=0), with wrap(run, (entry id,
+        context bucket, bucket)): a profiler's hook, to time or count the graphs a bound
+        model runs (bench/sections/overhead.py, context.py). unbind drops it with the rest."""
+        for module in model.modules():
+            for d in vars(module).values():
+                if isinstance(d, Dispatcher):
+                    d.steps = {
+                        c: {b: dataclasses.replace(s, run=wrap(s.run, (d.entry_id, c, b))) for b, s in steps.items()} for c, steps in d.steps.items()
+                    }  # fmt: skip
 
 
 class DeviceAllocator:

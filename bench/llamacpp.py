@@ -1,4 +1,4 @@
-"""llama.cpp beside aotc: the `--peers` section of bench/perf.py.
+"""llama.cpp beside aotc: what the `peers` section of bench/perf.py (sections/peers.py) builds and runs.
 
     python bench/perf.py --sections peers [--peers-cache DIR]
 

@@ -1,0 +1,1 @@
+"""The sections of bench/perf.py, one module each; each registers itself (common.section)."""
