@@ -42,6 +42,15 @@ def _read(model_dir: Path) -> tuple[str, dict]:
     return template, specials
 
 
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the folder carries a chat template (what --chat would render through)."""
+    try:
+        _read(model_dir)
+    except ConfigError:
+        return False
+    return True
+
+
 @lru_cache(maxsize=8)
 def _compiled(template: str):
     from jinja2 import TemplateError

@@ -382,6 +382,7 @@ def run(
         stream = None if as_json else _Stream(asked, prompts, tokenizer, notes)
         with stream or contextlib.nullcontext():
             gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
+        after = _endings(gen, defaults, new_tokens, max_new_tokens, model_dir, chat)
         checked = None
         if check:
             Bundle.unbind(loaded.model)
@@ -398,15 +399,38 @@ def run(
 
             # Where a module compiles another algorithm than its eager code, the check compares the two.
             report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(loaded.model)]
-        report.update(generation=generation, notes=notes)
+        report.update(generation=generation, notes=notes + after)
     except AotcError as e:
         _fail(e)
     if as_json:
         print(json.dumps(report))
     else:
-        _print_report(report)
+        _print_report(report, after)
     if check and not report["check"]["passed"]:
         raise typer.Exit(1)
+
+
+def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: Path, chat: bool) -> list[str]:
+    """Notes on how the sequences ended, printed after them: prompts cut at the token limit
+    before a stop token, and a stop token first where the folder has a chat template that
+    --chat would have sent the prompt through."""
+    from .chat import has_chat_template
+
+    notes = []
+    eos = set(defaults.eos_token_ids)
+    cut = [i for i, s in enumerate(gen.sequences) if len(s.new_ids) == new_tokens and not (s.new_ids and s.new_ids[-1] in eos)]
+    if cut and eos:
+        if asked_new:
+            where = "--max-new-tokens"
+        elif defaults.max_new_tokens_from == "generation_config.json":
+            where = "generation_config.json's max_new_tokens"
+        else:
+            where = "aotc's default"
+        which = "prompt" if len(cut) == 1 else "prompts"
+        notes.append(f"{which} {', '.join(map(str, cut))} stopped at {new_tokens} new tokens ({where}) before a stop token; --max-new-tokens N generates more")
+    if not chat and any(s.new_ids[:1] and s.new_ids[0] in eos for s in gen.sequences) and has_chat_template(model_dir):
+        notes.append(f"the model answered with a stop token at once; {model_dir} has a chat template: run with --chat to send each prompt as a user turn")
+    return notes
 
 
 def _bundle_model(b, model: str | None, revision: str | None) -> Path:
@@ -448,7 +472,9 @@ class _Stream:
 
         self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
         self.ids: list[list[int]] = [[] for _ in prompts]
-        self.decoder = DecodeStream(skip_special_tokens=False)
+        # Special tokens (a stop token such as <|im_end|>) are not text: skipped, as in
+        # the batch view and --json's "text".
+        self.decoder = DecodeStream(skip_special_tokens=True)
         self.live = None
 
     def __enter__(self):
@@ -697,11 +723,14 @@ def _report(prompts, gen, checked, tokenizer, backend, source, load_s, setup_s) 
     return out
 
 
-def _print_report(report: dict) -> None:
-    """What follows the streamed text: timings, and the check."""
+def _print_report(report: dict, notes: list[str]) -> None:
+    """What follows the streamed text: notes on how it ended, timings, and the check."""
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     t = report["timings"]
+    load = "" if report["backend"] == "eager" else f"bundle load {t['bundle_load_s'] * 1e3:.0f} ms, "  # --eager loads no bundle
     console.print(
-        f"{report['backend']}: bundle load {t['bundle_load_s'] * 1e3:.0f} ms, time to first token {t['ttft_s'] * 1e3:.0f} ms, "
+        f"{report['backend']}: {load}time to first token {t['ttft_s'] * 1e3:.0f} ms, "
         f"prefill {t['prefill_tokens']} tokens in {t['prefill_s'] * 1e3:.0f} ms, decode {t['decode_tokens_per_s']:.1f} tokens/s"
     )
     if "check" in report:

@@ -159,7 +159,10 @@ def test_chat_template_is_sandboxed_and_missing_one_is_named(tiny_dir, small_bun
 def test_default_smoke_prompts_are_cut_to_the_bundle_and_said(small_bundle):
     report = run_json(small_bundle, "--max-new-tokens", 8, "--max-batch", 2)
     assert [len(p["prompt_ids"]) for p in report["prompts"]][3] == 120  # max_seq 128 - 8 new tokens
-    assert report["notes"] == ["smoke prompt 3 cut from 412 to 120 tokens to fit the bundle's max_seq 128 with 8 new tokens"]
+    assert report["notes"] == [  # before the text, then after it (the random model never stops)
+        "smoke prompt 3 cut from 412 to 120 tokens to fit the bundle's max_seq 128 with 8 new tokens",
+        "prompts 0, 1, 2, 3 stopped at 8 new tokens (--max-new-tokens) before a stop token; --max-new-tokens N generates more",
+    ]
     r = runner.invoke(app, ["run", str(small_bundle), "--max-new-tokens", "8", "--check"])
     assert r.exit_code == 0 and "smoke prompt 3 cut from 412 to 120 tokens" in " ".join(r.output.split())
     r = runner.invoke(app, ["run", str(small_bundle), "--max-new-tokens", "8", "--prompt", "word " * 200])
