@@ -12,6 +12,38 @@ from aotc.build import BuildOptions, build
 from aotc.models.tiny import write_tiny
 
 
+# The modules that take longest, longest first, from `python -m pytest --durations=0`
+# summed per module (seconds on the development machine, two workers). Each of the two
+# workers takes the next whole module when it is free (--dist loadscope); started longest
+# first, they finish within a short module of each other. xdist's default order (most
+# tests first) left the few-test, long modules for last, and one worker idle for a minute
+# or more. pytest-randomly still shuffles the tests within each module and the order of
+# the modules not listed.
+LONGEST_FIRST = [
+    "test_deepseek_v4_compiled",  # 160
+    "test_neuron",  # 140
+    "test_cache",  # 140
+    "test_inductor",  # 115
+    "test_bench",  # 100
+    "test_verify",  # 95
+    "test_xla",  # 95
+    "test_bad_inputs",  # 90
+    "test_quant",  # 85
+    "test_real_folders",  # 70
+    "test_strip_data_dependent",  # 60
+    "test_bisect",  # 60
+    "test_safety",  # 55
+    "test_runtime",  # 55
+    "test_readme_claims",  # 30
+    "test_deepseek_v4",  # 20
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py"), len(rank)))  # stable
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_compile_cache(tmp_path_factory):
     """Builds in tests use a compile cache of their own, never the user's ~/.cache/aotc."""
