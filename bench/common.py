@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from rich.table import Table
 from aotc.build import BuildOptions, build
 from aotc.format import read_manifest
 from aotc.models.tiny import write_tiny
-from aotc.terminal import print_whole_when_piped
 
 HERE = Path(__file__).resolve().parent
 console = Console()

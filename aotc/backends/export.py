@@ -60,8 +60,8 @@ def load_program(data: bytes) -> "ExportedProgram":
 def _resolve_schema_hints_once() -> None:
     """torch.export.load asks typing.get_type_hints for a schema class's hints once per
     serialized object it rebuilds (serialize._dict_to_dataclass): 60% of loading a
-    DeepSeek V4 layer's program, 14 s for a 9-artifact bundle (pytorch#196452, open).
-    The schema's classes never change, so their hints are looked up once each (5.6 s).
+    DeepSeek V4 layer's program, 13.6 s for a 9-artifact bundle (pytorch#196452, open).
+    The schema's classes never change, so their hints are looked up once each (about 5 s).
     Only where torch's serializer reads `typing` as this torch's does; else as it is."""
     from torch._export.serde import schema, serialize
 
