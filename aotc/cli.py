@@ -328,7 +328,9 @@ def run(
 ):
     """Greedy generation through a bundle (or, with --eager, with the eager model). Stops at
     the model's eos tokens (generation_config.json's, else config.json's). Text streams
-    as it is generated."""
+    as it is generated, without special tokens; notes after it name the prompts cut at
+    the token limit before a stop token, and say so where the model answers with a stop
+    token at once without --chat in a folder that has a chat template."""
     from .models.base import load_model
     from .models.generation import generation_defaults
     from .models.hub import resolve_model
