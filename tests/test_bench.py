@@ -238,3 +238,14 @@ def test_peers_section_is_skipped_with_the_reason_without_cmake(bench, monkeypat
     monkeypatch.setattr(run, "peers_cache", run.root / "peers-cache")
     assert sections["peers"](run) == {"skipped": "cmake is not on PATH; llama.cpp is built from source"}
     assert not run.peers_cache.exists()
+
+
+@pytest.mark.slow  # two 30-layer builds, and transformers at both precisions
+def test_smollm2_rows_run_the_precision_they_name_and_keep_to_the_rule(bench):
+    run, sections = bench
+    results = sections["smollm2"](run)
+    assert [(r["model"], r["batch"]) for r in results["rows"]] == [(f"SmolLM2-135M {d}", b) for d in ("float32", "bfloat16") for b in (1, 4)]
+    assert all(r["model"].endswith(("float32", "bfloat16")) and r[f"{run.aotc} tok/s"] > 0 for r in results["rows"])
+    fidelity = {f["model"]: f for f in results["fidelity"]}
+    assert all(f["check"] == "pass" and f["error"] <= f["bound"] for f in fidelity.values()), fidelity
+    assert fidelity["SmolLM2-135M float32"]["eager twin error"] == 0.0 < fidelity["SmolLM2-135M bfloat16"]["eager twin error"]

@@ -46,7 +46,7 @@ def check_against_eager(bundle: Bundle, model_dir, batches: list[list[list[int]]
         got = generate(loaded.model, batch, NEW_TOKENS, **kwargs)
         Bundle.unbind(loaded.model)
         ref = generate(loaded.model, batch, NEW_TOKENS, **kwargs)
-        tolerance = tolerance_for(torch.float32, bundle.manifest.backend.name)
+        tolerance = tolerance_for(bundle.manifest.backend.name)
         report = compare(got, ref, tolerance)
         assert report.tokens_equal, [(p.matching_tokens, p.near_tie_gap) for p in report.per_prompt]
         # The Fidelity contract: within tolerance x (1 + |eager|) (a 252-token prompt's logits reach 15).

@@ -41,6 +41,7 @@ created_with
 matching_tokens
 tokens
 eager_new_ids
+twin_new_ids
 modified  # PassResult: what a pass's caller reads
 
 # The table of which halved bytes are exact: aotc/fp8.py's documented claim, checked by the tests.

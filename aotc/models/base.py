@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 from .. import quant
 from ..errors import ConfigError, WeightsError
 from ..format import KvCacheRecord
-from ..kvcache import RowLayout
-from ..layout import Stored, keep_stored
+from ..kvcache import Fp8Rows, RowLayout
+from ..layout import Stored, keep_stored, stored_at
 from .checkpoint import Checkpoint, as_stored, stored_dtype, stored_form
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
@@ -86,9 +86,15 @@ class CausalLM(nn.Module):
         """Root cache allocations, layer-major: {kind: (shape, dtype)}."""
         raise NotImplementedError
 
-    def cache_layouts(self) -> dict[str, RowLayout]:
-        """The packed cache kinds (uint8 rows of several dtypes; aotc.kvcache): {kind: layout}."""
+    def cache_rows(self) -> dict[str, Fp8Rows]:
+        """The packed cache kinds (uint8 rows of fp8 values and their scales; aotc.kvcache):
+        {kind: rows}. A packed row read back is the row of the model's float32 twin
+        (reference_model), whose caches are plain."""
         return {}
+
+    def cache_layouts(self) -> dict[str, RowLayout]:
+        """The packed cache kinds' byte layouts: {kind: layout}."""
+        return {kind: rows.layout for kind, rows in self.cache_rows().items()}
 
     def cache_bytes(self, slots: int, max_seq: int) -> int:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.cache_specs(slots, max_seq).values())
@@ -289,10 +295,16 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
                 state[param] = quant.dequantize(form.format, values, scale, p.dtype)
             continue
         state[param] = tensors[names[param]].to(p.dtype)  # dtype kinds checked from the headers
+    _assign(model, state, lambda param: f"{checkpoint.info(names[param]).file}: tensor {names[param]!r}")
+
+
+def _assign(model: CausalLM, state: dict[str, torch.Tensor], describe: Callable[[str], str]) -> None:
+    """Load `state` (the checkpoint's tensors, tied copies left out) into a model built on
+    the meta device, and make it whole: tied weights, non-persistent buffers."""
     for param, source in model.tied_parameters().items():
         state[param] = state[source]
     model.load_state_dict(state, strict=True, assign=True)
-    model.check_values(lambda param: f"{checkpoint.info(names[param]).file}: tensor {names[param]!r}")
+    model.check_values(describe)
     # assign=True replaces Parameter objects; re-tie so tied weights stay one tensor.
     for param, source in model.tied_parameters().items():
         owner, _, leaf = param.rpartition(".")
@@ -304,6 +316,33 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype)
     model.init_buffers()
+
+
+def full_precision(model: CausalLM) -> bool:
+    """Whether the model computes in float32 with float32 caches: its own reference."""
+    kv_cache = getattr(model.config, "kv_cache", None)
+    return model.config.dtype == torch.float32 and (kv_cache is None or kv_cache.dtype == "auto")
+
+
+def reference_model(model: CausalLM) -> CausalLM:
+    """The model's weights in float32, with float32 caches: what a lower-precision model
+    and its compiled graphs are both measured against (runtime.check). Weights with a
+    stored form (fp8, fp4) are dequantized from it, so the reference holds exactly the
+    values the checkpoint stores."""
+    changes = {"dtype": torch.float32}
+    if getattr(model.config, "kv_cache", None) is not None:
+        changes["kv_cache"] = dataclasses.replace(model.config.kv_cache, dtype="auto")
+    with torch.device("meta"), _SkipInit():
+        twin = type(model)(dataclasses.replace(model.config, **changes))
+    state = {}
+    for name, t in checkpoint_tensors(model).items():
+        stored = stored_at(model, name)
+        if stored is not None:
+            state[name] = quant.dequantize(stored.format, stored.values, stored.scale, torch.float32)
+        else:
+            state[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
+    _assign(twin, state, lambda param: f"{param} of the model")
+    return twin.eval().to(next(model.parameters()).device)
 
 
 def available_memory() -> int:

@@ -771,13 +771,13 @@ class DeepseekV4ForCausalLM(CausalLM):
             specs["idx_comp"] = row_spec(rows["idx_comp"], (n, slots, e), c.index_head_dim, c.dtype)
         return specs
 
-    def cache_layouts(self):
+    def cache_rows(self):
         rows = cache_rows(self.config)
         if rows["kv"] is None:
             return {}
         kinds = {"kv": "kv"} | ({"hca_comp": "comp"} if "hca" in self.groups else {})
         kinds |= {"csa_comp": "comp", "idx_comp": "idx_comp"} if "csa" in self.groups else {}
-        return {kind: rows[r].layout for kind, r in kinds.items()}
+        return {kind: rows[r] for kind, r in kinds.items()}
 
     def _check_max_seq(self, max_seq):
         c = self.config

@@ -348,9 +348,9 @@ class LlamaForCausalLM(CausalLM):
         spec = row_spec(fp8_rows(c), (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq), c.head_dim, c.dtype)
         return {"k": spec, "v": spec}
 
-    def cache_layouts(self):
+    def cache_rows(self):
         rows = fp8_rows(self.config)
-        return {} if rows is None else {"k": rows.layout, "v": rows.layout}
+        return {} if rows is None else {"k": rows, "v": rows}
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [N] -> cos, sin: [N, hd], rows of tables computed as transformers

@@ -72,12 +72,20 @@ def generate(
     keep_logits: bool = False,
     on_token: Callable[[int, Sequence], None] | None = None,
     threads: int | None = None,
+    forced: list[list[int]] | None = None,
 ) -> Generation:
     """Greedy generation. Stops a sequence at any of eos_ids (default: the model
     config's eos_token_ids). on_token(i, sequence) runs after sequence i (of all
     prompts) gains a token, for streaming. threads: torch's intra-op threads; by
     default as many as other processes leave CPUs free, re-read as it runs
-    (aotc.runtime.threads); torch's count is restored at the end."""
+    (aotc.runtime.threads); torch's count is restored at the end.
+
+    forced: the tokens each sequence takes, in place of its argmax, and where it stops
+    (teacher forcing: another model's logits along these tokens, for runtime.check)."""
+    if forced is not None:
+        if len(forced) != len(prompts) or not all(forced):
+            raise AotcError(f"forced: expected a non-empty token list per prompt ({len(prompts)}), got {[len(f) for f in forced]}")
+        max_new_tokens, eos_ids = max(map(len, forced)), ()
     if max_new_tokens < 1:
         raise AotcError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
     check_lengths(prompts, max_new_tokens, max_seq)
@@ -97,21 +105,21 @@ def generate(
             logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
             result.prefill_s += time.perf_counter() - t0
             result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-            ids = logits.argmax(dim=-1)
-            done = _append(group, ids.tolist(), logits, eos, keep_logits, [False] * len(group), on_token, g)
+            ids = _next(logits, forced, g, 0)
+            done = _append(group, ids.tolist(), logits, eos, keep_logits, [False] * len(group), on_token, g, forced)
             if g == 0:
                 result.ttft_s = time.perf_counter() - t_start
             t0 = time.perf_counter()
             # Every row steps on, finished ones too (their tokens are dropped): the next ids
             # are the last argmax and the positions one more, no tensors made from lists.
             positions = torch.tensor([len(s.prompt_ids) for s in group], device=device)
-            for _ in range(1, max_new_tokens):
+            for step in range(1, max_new_tokens):
                 if all(done):
                     break
                 governor.step()
                 logits = model.decode(ids, positions, caches)  # [B, vocab]
-                ids = logits.argmax(dim=-1)
-                done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g)
+                ids = _next(logits, forced, g, step)
+                done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g, forced)
                 positions = positions + 1
                 result.decode_steps += 1
             result.decode_s += time.perf_counter() - t0
@@ -120,7 +128,15 @@ def generate(
     return result
 
 
-def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token, first: int) -> list[bool]:
+def _next(logits: torch.Tensor, forced, first: int, step: int) -> torch.Tensor:
+    """The tokens a step takes: the argmax, or the forced ones (a finished row: any)."""
+    if forced is None:
+        return logits.argmax(dim=-1)
+    rows = forced[first : first + logits.shape[0]]
+    return torch.tensor([f[step] if step < len(f) else 0 for f in rows], device=logits.device)
+
+
+def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token, first: int, forced=None) -> list[bool]:
     out = []
     for i, (s, token, row, finished) in enumerate(zip(group, next_ids, logits, done)):
         if not finished:
@@ -129,5 +145,5 @@ def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token
                 s.logits.append(row.clone())
             if on_token is not None:
                 on_token(first + i, s)
-        out.append(finished or token in eos)
+        out.append(finished or token in eos or (forced is not None and len(s.new_ids) == len(forced[first + i])))
     return out

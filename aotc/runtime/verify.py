@@ -12,11 +12,17 @@ That call is recorded in eager (inputs before, outputs, caches after); the
 artifact then runs on the same inputs through the dispatcher, which pads rows
 to the bucket, the padding rows writing the scratch slot.
 
-Compared, at the tolerance for the dtype and backend (`check.tolerance_for`),
-as |compiled - eager| <= tol + tol * |eager|:
+Compared under the fidelity rule (runtime.check): for a float32 model, within
+the fp32 tolerance of eager (|compiled - eager| <= tol + tol * |eager|); for a
+lower-precision one, against the same call by the model's float32 twin
+(models.base.reference_model; inputs upcast, packed fp8 caches read back to
+float32 rows), within max(2 x eager's error, tol):
   * the outputs (max absolute and relative difference reported);
-  * each cache: close where eager wrote; unchanged everywhere else, but for
-    the scratch slot (dim 0, the last slot), which takes the padding writes;
+  * each cache: where eager wrote, which is what its write ops touched (`Writes`:
+    each in-place op on a cache runs again on a byte mask of it), not where values
+    changed (a bf16 value equal to the one already there is written all the same);
+    unchanged everywhere else, but for the scratch slot (dim 0, the last slot),
+    which takes the padding writes;
   * where the backend has a reference runner of its own files
     (`Backend.reference`; xla and neuron: `hlo.pb`, the file neuronx-cc
     compiles, compiled as it is by XLA's CPU client), that runner on the same
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import quant
 from ..backends import Backend, get_backend_class
@@ -39,13 +46,13 @@ from ..backends.base import DeviceBuffer
 from ..entry import entries_of
 from ..format import Manifest, read_manifest
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
-from ..models.base import load_model
+from ..models.base import full_precision, load_model, reference_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
-from ..kvcache import Regions
+from ..kvcache import Fp8Rows, Regions
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
-from .check import close, tolerance_for
+from .check import bound, error, precision, tolerance_for
 from .dispatch import Dispatcher
 
 SEED = 0
@@ -66,6 +73,13 @@ class ArtifactCheck:
     reference_max_abs: float | None = None
     problems: list[str] = field(default_factory=list)
     lint: list[str] = field(default_factory=list)
+    precision: str = "float32"  # what the model computes in (runtime.check.precision)
+    # The rule's figures (runtime.check): the worst error against the reference and the
+    # error allowed there; lower precision: eager's own worst error, and each bound.
+    error: float = 0.0
+    allowed: float = 0.0
+    twin_error: float | None = None
+    bounds: list[float] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -122,43 +136,52 @@ def verify(
         for view in layouts[kind].views(t).values() if kind in layouts else [t]:
             if view.dtype.is_floating_point:
                 view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
-    bound = bound_weights(manifest, model, path)
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    placed = bound_weights(manifest, model, path)
+    tolerance = tolerance_for(name)
+    # A lower-precision model's calls are measured against its float32 twin (runtime.check).
+    reference = None if full_precision(model) else reference_model(model)
     checks = []
     for entry, art in chosen:
         instance_path = entry.instances[0]
         instance = model.get_submodule(instance_path)
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
-        check = ArtifactCheck(entry.id, art.bucket, art.context, n, instance_path, tolerance_for(dtype, name), lint=backend.findings(art.extra))
+        check = ArtifactCheck(entry.id, art.bucket, art.context, n, instance_path, tolerance, lint=backend.findings(art.extra), precision=precision(model))
         checks.append(check)
-        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator))
+        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator), caches)
         if call is None:
             check.problems.append(f"the model's {'decode' if entry.bucket_kind == 'batch' else 'prefill'} never called {instance_path}.{entry.method}")
             continue
-        before, eager_out, eager_after = call
         spec = entries_of(type(instance))[entry.method]
-        cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
-        weights_in = bound[entry.id, instance_path]
+        names = {i: spec.params[i] for i in call.written}
+        weights_in = placed[entry.id, instance_path]
         programs = [bundle.programs[entry.id, art.bucket, art.context]] if bundle.programs else []
-        reference = backend.reference(bundle.checked_dir(art), art)  # the copy whose hash was checked
-        if reference is not None:
-            programs.append(reference)
+        runner = backend.reference(bundle.checked_dir(art), art)  # the copy whose hash was checked
+        if runner is not None:
+            programs.append(runner)
         if not programs:
             check.problems.append(f"nothing here runs the artifact: {backend.can_load() or 'it is pending'}, and the backend's reference runner cannot run here either")
             continue
-        runs = [(p.label, _run(entry, art, p, weights_in, before)) for p in programs]
+        runs = [(p.label, _run(entry, art, p, weights_in, call.before)) for p in programs]
         first, (out, after) = runs[0]
-        check.max_abs, check.max_rel = _compare(out, eager_out, check, f"{first} output")
-        _compare_caches(after, before, eager_after, cache_at, manifest.shapes.cache_slots - 1, n < art.bucket, check, first)
-        if reference is not None:
-            check.reference = reference.label
+        truth = None if reference is None else _reference_call(reference, instance_path, entry.method, call, model.cache_rows())
+        check.max_abs, check.max_rel = _compare(out, call.out, check, f"{first} output", truth and truth[0])
+        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, model.cache_rows(), truth and truth[1])
+        if runner is not None:
+            check.reference = runner.label
             if len(runs) > 1:
                 check.reference_vs = first
                 ref_out, ref_after = runs[1][1]
-                check.reference_max_abs, _ = _compare(ref_out, out, check, f"{reference.label} output against {first}")
-                for i in cache_at:
-                    if not close(ref_after[i], after[i], check.tolerance):
-                        check.problems.append(f"{reference.label} and {first} write cache {i} differently")
+                # Two runs of one program's files: within the error the artifact was allowed.
+                between = max([check.tolerance, *check.bounds])
+                check.reference_max_abs = max(((a.float() - b.float()).abs().max().item() for a, b in zip(ref_out, out) if a.numel()), default=0.0)
+                for i, (a, b) in enumerate(zip(ref_out, out)):
+                    if error(a, b) > between:
+                        diff = (a.float() - b.float()).abs().max().item()
+                        check.problems.append(f"{runner.label} output against {first} {i} differs by up to {diff:.3g} (error allowed {between:.3g})")
+                for i, cache in names.items():
+                    kind_rows = model.cache_rows().get(call.kinds[i])
+                    if error(_values(ref_after[i], kind_rows), _values(after[i], kind_rows)) > between:
+                        check.problems.append(f"{runner.label} and {first} write {cache} differently")
             else:
                 check.reference_vs, check.reference_max_abs = "eager", check.max_abs
     algorithms = compiled_forms(*(model.get_submodule(p) for entry, _ in chosen for p in entry.instances))
@@ -180,18 +203,24 @@ def _drive(model, kind: str, n: int, art, caches: dict, manifest: Manifest, g: t
         model.prefill(ids, 0, caches, start=bucket if bucket + n <= max_seq else 0)
 
 
-def _record(model, instance, method: str, drive):
-    """Run `drive` eagerly; return the first call of instance.method: (inputs before,
-    outputs, inputs after), cloned. The model's other modules run as they are."""
+def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
+    """Run `drive` eagerly; return the first call of instance.method, cloned, with where
+    it wrote each of its caches (the model's `caches`). The model's other modules run as
+    they are."""
     calls = []
     eager = getattr(type(instance), method)
+    spec = entries_of(type(instance))[method]
+    kinds = {_storage(t): kind for kind, t in caches.items()}
 
     def recorder(*args):
         if calls:
             return eager(instance, *args)
+        cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
         before = [a.clone() for a in args]
-        out = eager(instance, *args)
-        calls.append((before, _clone(out), [a.clone() for a in args]))
+        with Writes([args[i] for i in cache_at]) as writes:
+            out = eager(instance, *args)
+        after = [a.clone() for a in args]
+        calls.append(Call(before, _clone(out), after, {i: writes.mask(args[i]) for i in cache_at}, {i: kinds[_storage(args[i])] for i in cache_at}))
         return out
 
     setattr(instance, method, recorder)
@@ -200,6 +229,61 @@ def _record(model, instance, method: str, drive):
     finally:
         delattr(instance, method)
     return calls[0] if calls else None
+
+
+class Writes(TorchDispatchMode):
+    """Where eager code writes into the storages of some tensors, whatever values it
+    writes (a bf16 value equal to the one already there is written all the same): each
+    op whose schema marks an argument written, and that writes one of those storages,
+    runs again on a byte mask of the storage with every floating input NaN, so each
+    element it writes comes out non-zero."""
+
+    _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        super().__init__()
+        self.masks = {_storage(t): torch.zeros(t.untyped_storage().nbytes(), dtype=torch.uint8) for t in tensors}
+
+    def mask(self, t: torch.Tensor) -> torch.Tensor:
+        """Bool [t.shape]: the elements of t written."""
+        return self._view(t).view(self._INT[t.dtype.itemsize]) != 0
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        """The mask bytes under t, as a tensor of t's dtype, shape and strides."""
+        return self.masks[_storage(t)].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        names = [a.name for a in func._schema.arguments]
+        named = dict(zip(names, args)) | kwargs
+        written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        hit = [n for n, v in named.items() if n in written and isinstance(v, torch.Tensor) and _storage(v) in self.masks]
+        if hit:
+
+            def again(n, v):
+                return self._view(v) if n in hit else _nan(v)
+
+            func(*(again(n, v) for n, v in zip(names, args)), **{n: again(n, v) for n, v in kwargs.items()})
+            for n in hit:  # every byte of each element written, so any view of the storage sees it
+                bits = self._view(named[n]).view(self._INT[named[n].dtype.itemsize])
+                bits.masked_fill_(bits != 0, -1)
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _nan(v):
+    """A floating input as NaN (a tensor of the same shape, or the scalar); others as they are."""
+    if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+        return torch.full_like(v, float("nan"))
+    if isinstance(v, float):
+        return float("nan")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_nan(x) for x in v)
+    return v
 
 
 def _clone(out):
@@ -237,38 +321,93 @@ def _on(device, cache):
     return DeviceBuffer(device, device.hold(cache), tuple(cache.shape), cache.dtype)
 
 
-def _compare(got, want, check: ArtifactCheck, what: str) -> tuple[float, float]:
+def _compare(got, want, check: ArtifactCheck, what: str, truth=None) -> tuple[float, float]:
+    """The artifact's outputs against eager's (`want`); with `truth` (a lower-precision
+    model's float32 reference outputs) both against it, under runtime.check's rule."""
     worst_abs = worst_rel = 0.0
     for i, (a, b) in enumerate(zip(got, want)):
         if a.shape != b.shape:
             check.problems.append(f"{what} {i} has shape {list(a.shape)}, eager's {list(b.shape)}")
             continue
-        diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-        scale = b.float().abs().max().item() if b.numel() else 0.0
+        ref = b if truth is None else truth[i]
+        diff = (a.float() - ref.float()).abs().max().item() if a.numel() else 0.0
+        scale = ref.float().abs().max().item() if ref.numel() else 0.0
         worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale if scale else diff)
-        if not close(a, b, check.tolerance):
-            check.problems.append(f"{what} {i} differs by up to {diff:.3g} (tolerance {check.tolerance:g} + {check.tolerance:g} x |eager|)")
+        why = _judge(check, a, b, None if truth is None else truth[i])
+        if why:
+            check.problems.append(f"{what} {i} {why}")
     return worst_abs, worst_rel
 
 
-def _compare_caches(after, before, eager_after, cache_at, scratch: int, padded: bool, check: ArtifactCheck, what: str) -> None:
+def _judge(check: ArtifactCheck, got: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor | None) -> str | None:
+    """One tensor under the rule: within the fp32 tolerance of eager (full precision), or
+    within max(2 x eager's error, the fp32 tolerance) of the float32 reference. None, or
+    how it differs."""
+    if truth is None:
+        err, allowed = error(got, eager), check.tolerance
+        rule = f"tolerance {check.tolerance:g} + {check.tolerance:g} x |eager|"
+    else:
+        twin = error(eager, truth)
+        err, allowed = error(got, truth), bound(twin, check.tolerance)
+        check.twin_error = max(check.twin_error or 0.0, twin)
+        check.bounds.append(allowed)
+        rule = f"error against the float32 reference {err:.3g}, eager {check.precision}'s {twin:.3g}, allowed {allowed:.3g}"
+    if allowed and err / allowed > (check.error / check.allowed if check.allowed else -1):
+        check.error, check.allowed = err, allowed
+    if err <= allowed:
+        return None
+    diff = (got.float() - (eager if truth is None else truth).float()).abs().max().item() if got.numel() else 0.0
+    return f"differs by up to {diff:.3g} ({rule})"
+
+
+def _values(t: torch.Tensor, rows: Fp8Rows | None) -> torch.Tensor:
+    """A cache's values as float32: a packed fp8 one read back to its plain rows."""
+    return t.float() if rows is None else rows.read(t, (...,), torch.float32)
+
+
+def _compare_caches(after, call: Call, names: dict[int, str], scratch: int, padded: bool, check: ArtifactCheck, what: str, rows: dict, truth=None) -> None:
     touched = False  # did padding rows write the scratch slot of some cache
-    for i in cache_at:
-        written = eager_after[i] != before[i]
-        moved = after[i] != before[i]
+    for i, cache in names.items():
+        written = call.written[i]
+        moved = after[i] != call.before[i]
         in_scratch = torch.zeros_like(moved)
         in_scratch[scratch] = True
         stray = moved & ~written & ~in_scratch
         if stray.any():
             where = tuple(int(x) for x in stray.nonzero()[0])
-            check.problems.append(f"{what} wrote cache {i} at {where} (slot {where[0]}), where eager wrote nothing: padding rows must write only the scratch slot {scratch}")
-        if not close(after[i][written], eager_after[i][written], check.tolerance):
-            check.problems.append(f"{what} wrote cache {i} differently from eager where eager wrote")
+            check.problems.append(f"{what} wrote {cache} at {where} (slot {where[0]}), where eager wrote nothing: padding rows must write only the scratch slot {scratch}")
+        kind_rows = rows.get(call.kinds[i])
+        # A packed cache is compared as the values its rows hold, each row written whole.
+        at = written if kind_rows is None else written.any(dim=-1)
+        got, eager = _values(after[i], kind_rows)[at], _values(call.after[i], kind_rows)[at]
+        why = _judge(check, got, eager, None if truth is None else truth[i][at])
+        if why:
+            check.problems.append(f"{what} wrote {cache} differently from eager where eager wrote: it {why}")
         touched |= bool((moved & in_scratch).any())
     # Not every cache takes a write per row (a compressor's entries come every few
     # positions), but some cache does: padding rows that write none went elsewhere.
-    if padded and cache_at and not touched:
+    if padded and names and not touched:
         check.problems.append(f"{what}: the padding rows wrote nothing into any cache's scratch slot {scratch}")
+
+
+@dataclass
+class Call:
+    """One eager call of an entry method, as _record saw it."""
+
+    before: list[torch.Tensor]  # the inputs, before the call
+    out: tuple[torch.Tensor, ...]
+    after: list[torch.Tensor]  # the inputs after it (the caches written)
+    written: dict[int, torch.Tensor]  # by cache input position: where eager wrote it (bool)
+    kinds: dict[int, str]  # by cache input position: the cache kind
+
+
+def _reference_call(reference, instance_path: str, method: str, call: Call, rows: dict) -> tuple[tuple, list]:
+    """The same call by the float32 reference model: its inputs upcast, packed caches read
+    back to plain float32 ones; its outputs and its inputs after the call."""
+    args = [_values(a, rows.get(call.kinds[i])) if i in call.kinds else a.float() if a.is_floating_point() else a.clone() for i, a in enumerate(call.before)]
+    instance = reference.get_submodule(instance_path)
+    out = getattr(type(instance), method)(instance, *args)
+    return _clone(out), args
 
 
 # -- without a model folder: random weights of the right shapes -----------------------

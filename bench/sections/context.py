@@ -28,7 +28,7 @@ def context(run: Run) -> dict:
     base = from_aotc(model)
     base.setup_caches(1, CONTEXT_MAX_SEQ)
     step = run.compile(base, fullgraph=True, dynamic=False)
-    ids, tolerance = torch.tensor([7]), tolerance_for(torch.float32, run.backend)
+    ids, tolerance = torch.tensor([7]), tolerance_for(run.backend)
     repeats = dict(min_time=run.times(1.0))
     rows = []
     for position in CONTEXT_POSITIONS:

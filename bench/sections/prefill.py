@@ -32,7 +32,7 @@ def prefill(run: Run) -> dict:
     caches = model.allocate_caches(2, PREFILL_MAX_SEQ)
     base = from_aotc(model)
     base.setup_caches(1, PREFILL_MAX_SEQ)
-    tolerance = tolerance_for(torch.float32, run.backend)
+    tolerance = tolerance_for(run.backend)
     repeats = dict(min_time=run.times(3.0, 0.5), repeats=3)
     flops_per_token = 2 * sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.embed_tokens"))
     peak = gemm_peak(min_time=run.times(2.0))

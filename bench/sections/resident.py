@@ -34,7 +34,7 @@ def resident(run: Run) -> dict:
     model.prefill(prompt, 0, eager)
     expected = model.decode(ids, pos, eager)
     rows = [{"run": "eager", "max_seq": long_seq, "step ms": timeit(lambda: model.decode(ids, pos, eager).argmax(-1), **repeats) * 1e3}]
-    tolerance = tolerance_for(torch.float32, "xla")
+    tolerance = tolerance_for("xla")
     for n in (long_seq, MAX_SEQ):
         bundle = Bundle.load(run.bundle(model_dir, f"resident-{n}", backend="xla", batch_buckets=(1,), chunk_buckets=(128,), max_seq=n))
         bundle.bind(model)

@@ -55,7 +55,7 @@ def v4(run: Run) -> dict:
     build_s = time.perf_counter() - t0
     model = load_model(model_dir).model
     sizes = v4_weight_bytes(model)
-    tolerance = tolerance_for(torch.float32, run.backend)
+    tolerance = tolerance_for(run.backend)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 500, (prompt_len,), generator=g)
     caches = model.allocate_caches(max(V4_BUCKETS) + 1, max_seq)

@@ -1,0 +1,95 @@
+"""The fidelity rule (aotc.runtime.check) at every precision: a correct bundle passes
+`aotc run --check` and `aotc verify`, and one whose decode graph is another model's
+(rms_norm_eps 0.5: same signature, hashes fixed) fails both."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aotc.build import BuildOptions, build
+from aotc.cli import app
+from aotc.format import artifact_dir
+from aotc.models.tiny import write_tiny
+from aotc.runtime.check import bound, error
+from aotc.runtime.verify import Writes, verify
+
+from .conftest import rehash
+
+# precision: (write_tiny's arguments, the build's kv cache dtype, measured against a
+# float32 twin). fp8 weights in a float32 model: eager dequantizes them to float32, the
+# values the twin would hold, so eager is the reference.
+PRECISIONS = {
+    "float32": ({}, "auto", False),
+    "bfloat16": ({"dtype": "bfloat16"}, "auto", True),
+    "fp8 weights": ({"quantize": "fp8"}, "auto", False),
+    "fp8 weights, bfloat16": ({"quantize": "fp8", "dtype": "bfloat16"}, "auto", True),
+    "fp8 caches": ({}, "fp8", True),
+}
+DECODE = artifact_dir("LlamaDecoderLayer.decode", 1, 64)
+
+
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def bundles(request, tmp_path_factory):
+    """(its bundle, the bundle with the other model's decode graph, whether a float32 twin
+    is the reference)."""
+    fields, kv, twin = PRECISIONS[request.param]
+    root = tmp_path_factory.mktemp("fidelity")
+    made = {}
+    for name, eps in (("model", {}), ("other", {"rms_norm_eps": 0.5})):
+        folder = write_tiny(root / name, layers=2, **fields, **eps)
+        made[name] = build(BuildOptions(folder, out=root / f"{name}-bundle", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", kv_cache_dtype=kv)).out
+    broken = root / "broken"
+    shutil.copytree(made["model"], broken)
+    shutil.copy(made["other"] / DECODE / "program.pt2", broken / DECODE / "program.pt2")
+    rehash(broken)
+    return made["model"], broken, twin
+
+
+def _check(bundle) -> tuple[int, dict]:
+    r = CliRunner().invoke(app, ["run", str(bundle), "--check", "--json", "--max-new-tokens", "6", "--prompt", "Hello there", "--prompt", "The capital of France is"])
+    return r.exit_code, json.loads(r.output.strip().splitlines()[-1]) if r.output.strip().startswith("{") else r.output
+
+
+def test_a_correct_bundle_passes_check_and_verify(bundles):
+    bundle, _, twin = bundles
+    code, report = _check(bundle)
+    assert code == 0 and report["check"]["passed"], report
+    assert (report["check"]["twin"] is not None) == twin, report["check"]
+    checked = verify(bundle)
+    assert checked.passed, [(a.entry, a.problems) for a in checked.artifacts]
+
+
+def test_a_bundle_with_one_graph_of_another_model_fails_check_and_verify(bundles):
+    _, broken, _ = bundles
+    code, report = _check(broken)
+    assert code == 1 and not report["check"]["passed"], report
+    assert not all(p["logits_close"] for p in report["check"]["per_prompt"]), report["check"]
+    checked = verify(broken)
+    failed = {a.entry for a in checked.artifacts if not a.passed}
+    assert failed == {"LlamaDecoderLayer.decode"}, [(a.entry, a.problems) for a in checked.artifacts]
+
+
+def test_the_rule_allows_twice_the_twins_error_or_the_fp32_tolerance():
+    ref = torch.tensor([0.0, 10.0])
+    assert error(torch.tensor([0.1, 10.0]), ref) == pytest.approx(0.1)
+    assert error(torch.tensor([0.0, 11.1]), ref) == pytest.approx(0.1)  # 1.1 / (1 + 10)
+    assert bound(0.02, 1e-3) == 0.04 and bound(1e-4, 1e-3) == 1e-3
+
+
+def test_writes_are_found_where_eager_wrote_an_equal_value():
+    """Where eager writes the value already there (a bf16 value equal to the random one),
+    it wrote all the same; an fp8 row's scale view over the packed bytes counts too."""
+    cache = torch.zeros(3, 4, dtype=torch.bfloat16)
+    with Writes([cache]) as writes:
+        cache[1, 2:] = 0.0  # equal to what is there
+        cache.index_copy_(0, torch.tensor([2]), cache[:1].clone())
+    assert writes.mask(cache).tolist() == [[False] * 4, [False, False, True, True], [True] * 4]
+    packed = torch.zeros(2, 8, dtype=torch.uint8)
+    with Writes([packed]) as writes:
+        packed[1, 4:8].view(torch.float32).fill_(1.0)
+    assert writes.mask(packed).tolist() == [[False] * 8, [False] * 4 + [True] * 4]
