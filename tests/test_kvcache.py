@@ -475,3 +475,35 @@ def test_deepseek_v4_fp8_bundles_on_compiling_backends(backend, v4_dir, tmp_path
     out = tmp_path / backend
     build(BuildOptions(v4_dir, out=out, batch_buckets=(4,), chunk_buckets=(16,), max_seq=64, backend=backend, kv_cache_dtype="fp8"))
     assert_generation_matches_eager(out, v4_dir, new_tokens=16, long_prompt=40)
+
+
+# CI's cell is export; inductor and xla under slow.
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)])
+def test_fp8_bundles_with_two_context_buckets_generate_across_both(backend, tiny_dir, tmp_path):
+    """The region inputs of a context bucket's decode graph are views of the whole
+    region allocation (the first 32 positions of 128), as a float cache's are (on a
+    backend without views, the whole allocation): a
+    generation that runs the 32-position graph, then the 128-position one, passes
+    --check and verify. They were recorded as contiguous 32-position tensors, and the
+    first step past the prompt stopped on their strides."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from aotc.cli import app
+    from aotc.runtime.verify import verify
+
+    out = tmp_path / backend
+    build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=128, context_buckets=(32,), backend=backend, kv_cache_dtype="fp8"))
+    decode = next(e for e in Bundle.load(out).manifest.entries if e.id == "LlamaDecoderLayer.decode")
+    values = {a.context: i for a in decode.artifacts for i in a.inputs if i.name == "k_cache@0"}
+    if get_backend_class(backend).views:  # a view of the 128-position allocation
+        assert values[32].shape[2] == 32 and values[32].stride == values[128].stride
+    else:  # xla: the whole allocation, narrowed inside the graph
+        assert values[32].shape == values[128].shape
+    r = CliRunner().invoke(app, ["run", str(out), "--check", "--json", "--max-new-tokens", "40", "--prompt", "Hello", "--prompt", "a longer prompt than that"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output.strip().splitlines()[-1])
+    assert report["check"]["passed"] and all(len(p["new_ids"]) == 40 for p in report["prompts"]), report["check"]
+    checked = verify(out)
+    assert checked.passed and {a.context for a in checked.artifacts if a.entry == "LlamaDecoderLayer.decode"} == {32, 128}, [(a.entry, a.problems) for a in checked.artifacts]

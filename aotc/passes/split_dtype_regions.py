@@ -149,8 +149,9 @@ def _replace(gm: fx.GraphModule, node: fx.Node, regions, chain: list[fx.Node]) -
             raise TraceError(f"input '{node.name}': bytes {start}:{end} are not a whole number of {dtype} values")
         with gm.graph.inserting_after(anchor):
             region = gm.graph.placeholder(f"{node.name}_r{start}_{end}")
+        count = (end - start) // dtype.itemsize
         with val.fake_mode:
-            region.meta["val"] = torch.empty((*val.shape[:-1], (end - start) // dtype.itemsize), dtype=dtype, device=val.device)
+            region.meta["val"] = torch.empty_strided((*val.shape[:-1], count), _region_strides(val, count), dtype=dtype, device=val.device)
         region.meta["tensor_meta"] = None
         at = region
         for link in chain:  # the region read through the same leading slices
@@ -174,6 +175,19 @@ def _replace(gm: fx.GraphModule, node: fx.Node, regions, chain: list[fx.Node]) -
         gm.graph.erase_node(link)
     gm.graph.erase_node(node)
     return readers
+
+
+def _region_strides(packed: torch.Tensor, count: int) -> tuple[int, ...]:
+    """The strides of a region input of `count` values per row: those of the same view of
+    the region's own allocation. A packed input that is a view of the first positions of
+    a larger cache (a context bucket's decode graph) has the strides of that allocation,
+    rows of `width` bytes; its region then is the same view of an allocation of rows of
+    `count` values (kvcache.Regions), whose strides are the packed ones x count / width."""
+    width = packed.shape[-1]
+    lead = packed.stride()[:-1]
+    if packed.stride()[-1] != 1 or any(s % width for s in lead):
+        raise TraceError(f"a packed cache input of strides {list(packed.stride())} is not rows of {width} bytes; pass a view of a row-major cache")
+    return (*(s // width * count for s in lead), 1)
 
 
 def _refresh(gm: fx.GraphModule, changed: set[fx.Node]) -> None:
