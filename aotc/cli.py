@@ -323,7 +323,7 @@ def run(
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel (default: the CPUs that other processes leave free, re-read every tenth of a second)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel, 1 to the machine's CPUs (default: the CPUs that other processes leave free, re-read every tenth of a second)."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
 ):
     """Greedy generation through a bundle (or, with --eager, with the eager model). Stops at
@@ -331,7 +331,7 @@ def run(
     as it is generated, without special tokens; notes after it name the prompts cut at
     the token limit before a stop token, and say so where the model answers with a stop
     token at once without --chat in a folder that has a chat template."""
-    from .models.base import load_model
+    from .models.base import load_model, memory_shortfall
     from .models.generation import generation_defaults
     from .models.hub import resolve_model
     from .plugins import load_plugins
@@ -368,7 +368,12 @@ def run(
         prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
         notes = []
         if b is None:
+            # The bundle path's checks, for eager: the model's positions, and memory for the caches.
+            _check_eager_positions(loaded, model_dir, prompts, new_tokens)
             max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + new_tokens)
+            short = memory_shortfall(loaded.model, (max_batch or len(prompts)) + 1, max_seq)
+            if short:
+                raise AotcError(f"aotc run --eager: {short}. Shorten the prompts, lower --max-new-tokens or --max-batch")
         else:
             max_seq = b.max_seq
             if max_batch is not None and max_batch > b.max_batch:
@@ -663,6 +668,18 @@ def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -
     if len(lint) > limit:
         console.print(f"[yellow]{backend} lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
     return lint
+
+
+def _check_eager_positions(loaded, model_dir: Path, prompts: list[list[int]], new_tokens: int) -> None:
+    """An eager run reaches at most config.json's max_position_embeddings (where a model's
+    rotary tables and trained range end), as a bundle's max_seq does."""
+    limit = getattr(loaded.config, "max_position_embeddings", None)
+    for i, p in enumerate(prompts):
+        if limit is not None and len(p) + new_tokens > limit:
+            raise AotcError(
+                f"prompt {i} has {len(p)} tokens; with {new_tokens} new tokens that is {len(p) + new_tokens} positions, more "
+                f"than {model_dir / 'config.json'} allows (max_position_embeddings {limit}). Shorten the prompt or lower --max-new-tokens"
+            )
 
 
 def _check_memory(model, b) -> None:

@@ -59,6 +59,12 @@ def config(env: Env, **changes) -> Env:
     return env
 
 
+def write_generation(env: Env, **fields) -> Env:
+    """The model copy with a generation_config.json of these fields."""
+    (env.model / "generation_config.json").write_text(json.dumps(fields))
+    return env
+
+
 def write(path: Path, data) -> Path:
     path.write_bytes(data if isinstance(data, bytes) else data.encode())
     return path
@@ -127,6 +133,13 @@ CASES = [
     Case("run-prompt-too-long", "cli", lambda e: ["run", e.bundle, "--prompt", "word " * 200, "--max-new-tokens", "2"], "more than the cache holds"),
     Case("run-expect-digest-wrong", "cli", lambda e: run(e, "--expect-digest", "00" * 32), "this is not the bundle you pinned"),
     Case("run-eager-check", "cli", lambda e: ["run", e.model, "--eager", "--check"], "nothing to compare with --eager"),
+    # -- the eager path has the bundle path's checks; threads within the machine's CPUs -------------
+    Case("run-eager-prompt-past-max-positions", "cli", lambda e: ["run", e.model, "--eager", "--prompt", "word " * 2100, "--max-new-tokens", "2"], "config.json allows (max_position_embeddings 2048)"),
+    Case("run-eager-max-new-tokens-huge", "cli", lambda e: ["run", e.model, "--eager", "--prompt", "hi", "--max-new-tokens", str(10**12)], "1000000000002 positions, more than"),
+    Case("run-eager-generation-config-huge", "model", lambda e: ["run", write_generation(e, max_new_tokens=10**12).model, "--eager", "--prompt", "hi"], "lower --max-new-tokens"),
+    Case("run-eager-caches-do-not-fit", "cli", lambda e: ["run", e.model, "--eager", "--prompt", "hi", "--max-new-tokens", "2"], "aotc run --eager: its caches take", patch=lambda mp: mp.setattr("aotc.models.base.available_memory", lambda: 1000)),
+    Case("verify-caches-do-not-fit", "cli", lambda e: ["verify", e.bundle], "its caches take", patch=lambda mp: mp.setattr("aotc.models.base.available_memory", lambda: 1000)),
+    *[Case(f"run-threads-{n}", "cli", lambda e, n=n: run(e, "--threads", str(n)), f"--threads {n}: expected 1 to") for n in (100000, 10**9)],
     Case("run-not-a-bundle", "cli", lambda e: ["run", e.model, "--max-new-tokens", "2"], "manifest.json"),
     Case("run-missing-path", "cli", lambda e: ["run", e.root / "nowhere", "--max-new-tokens", "2"], "nowhere"),
     Case("run-plugin-missing", "cli", lambda e: run(e, "--plugin", "no_such_module_anywhere"), "no_such_module_anywhere"),

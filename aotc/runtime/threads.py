@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import AotcError
+
 INTERVAL_S = 0.1  # /proc/stat counts in 10 ms ticks: 10 per CPU per interval
 
 
@@ -71,6 +73,10 @@ class ThreadGovernor:
         self, threads: int | None = None, *, counters: Callable[[], tuple[float, float] | None] = cpu_counters,
         elsewhere: Callable[[], int | None] = running_elsewhere, clock: Callable[[], float] = time.monotonic, interval: float = INTERVAL_S,
     ) -> None:  # fmt: skip
+        cpus = os.cpu_count() or 1
+        if threads is not None and not 1 <= threads <= cpus:
+            # torch.set_num_threads(100000) crashes the process (a segfault in its pool).
+            raise AotcError(f"--threads {threads}: expected 1 to {cpus}, the CPUs this machine has")
         self.started_with = torch.get_num_threads()
         self.limit = threads or self.started_with
         self.fixed = threads is not None

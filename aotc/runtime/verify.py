@@ -44,9 +44,10 @@ from .. import quant
 from ..backends import Backend, get_backend_class
 from ..backends.base import DeviceBuffer
 from ..entry import entries_of
+from ..errors import AotcError
 from ..format import Manifest, read_manifest
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
-from ..models.base import full_precision, load_model, reference_model
+from ..models.base import full_precision, load_model, memory_shortfall, reference_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
 from ..kvcache import Fp8Rows, Regions
@@ -129,6 +130,9 @@ def verify(
         model, weights = loaded.model, str(model_dir)
     else:
         model, weights = _random_model(manifest), "random"
+    short = memory_shortfall(model, manifest.shapes.cache_slots, manifest.shapes.max_seq)
+    if short:  # before allocating what the manifest says
+        raise AotcError(f"aotc verify {path}: {short}; verify it on a machine with the memory the bundle was built for")
     generator = torch.Generator().manual_seed(SEED)
     caches = model.allocate_caches(manifest.shapes.cache_slots, manifest.shapes.max_seq)
     layouts = model.cache_layouts()
