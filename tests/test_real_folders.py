@@ -231,3 +231,28 @@ def test_a_batch_on_a_terminal_is_a_live_view_with_a_line_per_sequence(small_bun
     final = shown.rsplit("prompt 0", 1)[1]  # the last drawing of the view
     for p in report["prompts"]:
         assert f"  -> {p['text']}" in final
+
+
+@pytest.mark.parametrize("repo", ["org/..", "org/tïny", "org/-tiny", "org/tiny.git", "org/" + "t" * 300])
+def test_a_name_that_is_no_hub_id_is_refused_naming_it(repo, tmp_path):
+    r = runner.invoke(app, ["build", repo, "--backend", "export"], env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"{repo}: not a folder, and not a Hugging Face Hub id" in said and "Traceback" not in said, said
+
+
+def test_an_empty_revision_is_refused(tmp_path):
+    r = runner.invoke(app, ["build", "acme/tiny-chat", "--revision", "", "--backend", "export"], env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 2 and "--revision '': expected a branch, tag or commit of acme/tiny-chat" in " ".join(r.output.split()), r.output
+
+
+def test_a_ref_that_leads_outside_the_cache_is_refused(tiny_dir, tmp_path):
+    """refs/main naming ../../../../outside/x made the build read that folder and record
+    hub.commit "x"."""
+    home = tmp_path / "hf"
+    hf_cache(home, "acme/tiny-chat", tiny_dir)
+    outside = tmp_path / "outside" / "x"
+    shutil.copytree(tiny_dir, outside)
+    (home / "hub" / "models--acme--tiny-chat" / "refs" / "main").write_text("../../../../outside/x")
+    r = aotc("build", "acme/tiny-chat", "--backend", "export", "-o", tmp_path / "b", env={"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"})
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "which is not a snapshot folder of" in said and "Traceback" not in said and not (tmp_path / "b").exists(), said

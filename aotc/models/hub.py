@@ -27,9 +27,19 @@ def resolve_model(name: str | Path, revision: str | None = None) -> tuple[Path, 
             raise ConfigError(f"--revision {revision}: applies to a Hugging Face Hub id (ORG/NAME), and {name} is a folder")
         return path, None
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     repo = str(name)
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise ConfigError(
+            f"{repo}: not a folder, and not a Hugging Face Hub id ({str(e).splitlines()[0]}). A Hub id is ORG/NAME "
+            "of ASCII letters, digits, '-', '_' and '.', at most 96 characters, without '--' or '..'"
+        ) from None
+    if revision is not None and not revision.strip():
+        raise ConfigError(f"--revision {revision!r}: expected a branch, tag or commit of {repo}")
     try:
         folder = snapshot_download(repo, revision=revision, allow_patterns=FILES, local_files_only=True)
     except LocalEntryNotFoundError:
@@ -49,4 +59,12 @@ def resolve_model(name: str | Path, revision: str | None = None) -> tuple[Path, 
                 "check the name, --revision and your network and token (HF_TOKEN)"
             ) from None
     folder = Path(folder)
+    # A snapshot is a commit's folder inside the cache. A refs/ file can name any path
+    # ("../../../../outside/x"), which huggingface_hub joins as it is: refused.
+    snapshots = Path(constants.HF_HUB_CACHE).resolve() / f"models--{repo.replace('/', '--')}" / "snapshots"
+    if folder.resolve().parent != snapshots:
+        raise ConfigError(
+            f"{repo}: the Hugging Face cache resolves {revision or 'main'} to {folder}, which is not a snapshot folder "
+            f"of {snapshots}; its refs/ file is damaged: delete {snapshots.parent} and download the model again"
+        )
     return folder, HubRecord(repo, folder.name)
