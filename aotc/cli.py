@@ -369,7 +369,11 @@ def run(
         notes = []
         if b is None:
             # The bundle path's checks, for eager: the model's positions, and memory for the caches.
-            _check_eager_positions(loaded, model_dir, prompts, new_tokens)
+            # An eager run reaches at most config.json's max_position_embeddings (where the
+            # model's rotary tables and trained range end), as a bundle's max_seq does.
+            positions = getattr(loaded.config, "max_position_embeddings", None)
+            if positions is not None:
+                check_lengths(prompts, new_tokens, positions, f"{model_dir / 'config.json'} allows (max_position_embeddings {positions}). Shorten the prompt or lower --max-new-tokens")
             max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + new_tokens)
             short = memory_shortfall(loaded.model, (max_batch or len(prompts)) + 1, max_seq)
             if short:
@@ -668,18 +672,6 @@ def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -
     if len(lint) > limit:
         console.print(f"[yellow]{backend} lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
     return lint
-
-
-def _check_eager_positions(loaded, model_dir: Path, prompts: list[list[int]], new_tokens: int) -> None:
-    """An eager run reaches at most config.json's max_position_embeddings (where a model's
-    rotary tables and trained range end), as a bundle's max_seq does."""
-    limit = getattr(loaded.config, "max_position_embeddings", None)
-    for i, p in enumerate(prompts):
-        if limit is not None and len(p) + new_tokens > limit:
-            raise AotcError(
-                f"prompt {i} has {len(p)} tokens; with {new_tokens} new tokens that is {len(p) + new_tokens} positions, more "
-                f"than {model_dir / 'config.json'} allows (max_position_embeddings {limit}). Shorten the prompt or lower --max-new-tokens"
-            )
 
 
 def _check_memory(model, b) -> None:

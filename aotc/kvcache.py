@@ -11,7 +11,8 @@ split_dtype_regions), and the runtime allocates the regions apart
 
 `--kv-cache-dtype fp8` asks for such caches (`KvCacheRecord` in the
 manifest); `fp8-values` (llama family) packs the values so and keeps the keys
-a plain bf16 cache, since fp8 keys lose a real model's answers (README). Values are quantized to at most the target's fp8 maximum: 448 for
+a plain bf16 cache, since fp8 keys lose a real model's answers (README).
+Values are quantized to at most the target's fp8 maximum: 448 for
 float8_e4m3fn, 224 on trn2, which reads the bytes as IEEE e4m3 (aotc.fp8).
 """
 

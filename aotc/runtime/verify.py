@@ -144,6 +144,7 @@ def verify(
     tolerance = tolerance_for(name)
     # A lower-precision model's calls are measured against its float32 twin (runtime.check).
     reference = None if full_precision(model) else reference_model(model)
+    rows = model.cache_rows()  # the packed kinds, read back to float32 rows for the reference
     checks = []
     for entry, art in chosen:
         instance_path = entry.instances[0]
@@ -167,9 +168,9 @@ def verify(
             continue
         runs = [(p.label, _run(entry, art, p, weights_in, call.before)) for p in programs]
         first, (out, after) = runs[0]
-        truth = None if reference is None else _reference_call(reference, instance_path, entry.method, call, model.cache_rows())
-        check.max_abs, check.max_rel = _compare(out, call.out, check, f"{first} output", truth and truth[0])
-        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, model.cache_rows(), truth and truth[1])
+        truth_out, truth_after = (None, None) if reference is None else _reference_call(reference, instance_path, entry.method, call, rows)
+        check.max_abs, check.max_rel = _compare(out, call.out, check, f"{first} output", truth_out)
+        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, rows, truth_after)
         if runner is not None:
             check.reference = runner.label
             if len(runs) > 1:
@@ -183,7 +184,7 @@ def verify(
                         diff = (a.float() - b.float()).abs().max().item()
                         check.problems.append(f"{runner.label} output against {first} {i} differs by up to {diff:.3g} (error allowed {between:.3g})")
                 for i, cache in names.items():
-                    kind_rows = model.cache_rows().get(call.kinds[i])
+                    kind_rows = rows.get(call.kinds[i])
                     if error(_values(ref_after[i], kind_rows), _values(after[i], kind_rows)) > between:
                         check.problems.append(f"{runner.label} and {first} write {cache} differently")
             else:
