@@ -123,6 +123,7 @@ BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
 KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8, each group scaled by its largest magnitude (float32 scales), packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224) | fp8-values (llama family): values so, keys in bf16, which keep answers that fp8 keys lose.")
+MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc[hf]).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -138,6 +139,7 @@ def build(
     compiler_flag: list[str] = COMPILER_FLAG,
     plugin: list[str] = PLUGIN,
     kv_cache_dtype: str = KV_CACHE_DTYPE,
+    modeling: str = MODELING,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -167,6 +169,7 @@ def build(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
+            modeling=modeling,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -260,12 +263,13 @@ def cache_key_command(
     compiler_flag: list[str] = COMPILER_FLAG,
     plugin: list[str] = PLUGIN,
     kv_cache_dtype: str = KV_CACHE_DTYPE,
+    modeling: str = MODELING,
 ):
     """Print one key for a whole build, without compiling (a CI cache key)."""
     from .build import build_key
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype)))
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype, modeling=modeling)))
     except AotcError as e:
         _fail(e)
 
@@ -333,6 +337,7 @@ def run(
     token at once without --chat in a folder that has a chat template."""
     from .models.base import load_model, memory_shortfall
     from .models.generation import generation_defaults
+    from .models.registry import modeling_of
     from .models.hub import resolve_model
     from .plugins import load_plugins
     from .runtime import Bundle, check_generation, generate
@@ -352,7 +357,10 @@ def run(
             model_dir = _bundle_model(b, model, revision)
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager.
-            loaded = load_model(model_dir, stored=True if check else b.stored_params(), kv_cache=b.manifest.model.kv_cache)
+            loaded = load_model(
+                model_dir, stored=True if check else b.stored_params(), kv_cache=b.manifest.model.kv_cache,
+                modeling=modeling_of(b.manifest.model.architecture),
+            )  # fmt: skip
             b.check_model(loaded)
             _check_memory(loaded.model, b)  # before generate allocates the caches
             loaded.model.to(b.device)

@@ -72,6 +72,17 @@ def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None,
     return mark
 
 
+# How the tracer groups layers by an attribute that is no plain value: {type: value -> a
+# plain value}. Instances whose attributes freeze equal share a graph, so a freezer must
+# map values that give different graphs to different results (a config to its JSON's hash).
+FREEZERS: dict[type, Callable] = {}
+
+
+def freezer(cls: type, freeze: Callable) -> None:
+    """Group layers by freeze(value) for attributes that are instances of cls."""
+    FREEZERS[cls] = freeze
+
+
 def entries_of(cls: type) -> dict[str, EntrySpec]:
     """The entry methods of a class, its bases included."""
     found = {}

@@ -22,7 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .entry import EntrySpec, entries_of
+from .entry import FREEZERS, EntrySpec, entries_of
 from .errors import TraceError
 from .format import PassRecord, RegionSpec, TensorSpec, WeightSpec
 from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of, weights_of
@@ -188,6 +188,9 @@ def _freeze(value, where: str):
         return tuple(value)
     if isinstance(value, torch.dtype):
         return str(value)
+    freeze = next((f for cls, f in FREEZERS.items() if isinstance(value, cls)), None)
+    if freeze is not None:
+        return freeze(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
         # A frozen record of plain values (e.g. aotc.kvcache.Fp8Rows): equal records, equal graphs.
         return (type(value).__qualname__, *(_freeze(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)))

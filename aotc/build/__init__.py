@@ -153,7 +153,7 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend:
     # The recipe says what the graphs are; the model folder must still be what they
     # are for: every safetensors header checked against the model (headers only).
     manifest, entries = found
-    loaded = load_model(options.model_dir, weights=False, kv_cache=manifest.model.kv_cache)
+    loaded = load_model(options.model_dir, weights=False, kv_cache=manifest.model.kv_cache, modeling=options.modeling)
     artifacts = []
     with bundle_writer(options.out) as tmp:
         for e, art in manifest.artifacts():

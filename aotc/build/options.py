@@ -11,6 +11,7 @@ from ..backends.base import get_backend_class, parallel_jobs
 from ..errors import AotcError
 from ..format import DEFAULT_ARTIFACTS, HubRecord, KvCacheRecord
 from ..kvcache import kv_cache_record
+from ..models.registry import MODELING, modeling_of
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_CHUNK_BUCKETS = (128,)
@@ -85,6 +86,8 @@ class BuildOptions:
     plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
     hub: HubRecord | None = None  # the Hub id model_dir was resolved from (aotc.models.hub)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: packed fp8 caches (aotc.kvcache)
+    # Whose code runs the model (models.registry.resolve): auto, aotc's own, or transformers'.
+    modeling: str = "auto"
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
 
     def __post_init__(self):
@@ -96,6 +99,8 @@ class BuildOptions:
             raise AotcError(f"--max-seq {self.max_seq}: expected a positive integer")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise AotcError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.modeling not in MODELING:
+            raise AotcError(f"--modeling {self.modeling!r}: expected one of {', '.join(MODELING)}")
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
         model, out = self.model_dir.resolve(), self.out.resolve()
@@ -128,7 +133,7 @@ class BuildOptions:
             Path(model_dir), batch_buckets=tuple(shapes.batch),
             chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
-            kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False,
+            kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
         )  # fmt: skip
 
     def resolve_contexts(self) -> None:

@@ -38,7 +38,7 @@ class Plan:
 def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
     """Fill in what depends on the config; (config dict, model class, backend). Cheap: no torch model."""
     load_plugins(options.plugins)
-    config_dict, arch, config = parse_config(options.model_dir)
+    config_dict, arch, config = parse_config(options.model_dir, modeling=options.modeling)
     if options.max_seq is None:
         options.max_seq = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
     options.resolve_contexts()
@@ -48,7 +48,7 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
 def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     if backend is None:
         _, _, backend = resolve(options)
-    loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend))
+    loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend), modeling=options.modeling)
     shapes = Shapes.of(loaded.model, max(options.batch_buckets) + 1, options.max_seq, options.device)
     variants = find_variants(loaded.model, shapes)
     if not variants:

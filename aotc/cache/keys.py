@@ -43,6 +43,9 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
         "flags": backend.flags(),
         "torch": torch.__version__,
     }
+    code = getattr(graph.variant.module, "aotc_code", None)
+    if code is not None:  # a model whose code is another package's (transformers)
+        payload["code"] = code
     return _digest(payload)
 
 
@@ -63,6 +66,8 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "max_seq": options.max_seq,
         "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),
+        "modeling": options.modeling,
+        "code": model_class.code_identity(config),
         "backend": [backend.name, backend.version(), backend.flags(), [p.name for p in backend.passes()]],
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -77,6 +77,12 @@ class CausalLM(nn.Module):
         """Check loaded values that the model's code indexes with (a routing table), and raise
         WeightsError for a bad one; describe(param) names its file and checkpoint tensor."""
 
+    @classmethod
+    def code_identity(cls, config: dict) -> dict:
+        """What, beyond aotc's and the model package's own source, makes the model's graphs
+        (the generic path: transformers' version and modeling source), for cache keys."""
+        return {}
+
     def round_max_seq(self, n: int) -> int:
         """The cache length to allocate for n positions (some models need a multiple of a block)."""
         return n
@@ -163,10 +169,10 @@ class LoadedModel:
     dir: Path
 
 
-def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None) -> tuple[dict, Architecture, object]:
+def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None, modeling: str = "auto") -> tuple[dict, Architecture, object]:
     config_dict = read_config(model_dir)
     source = Path(model_dir) / "config.json"
-    arch = resolve(config_dict, source)
+    arch = resolve(config_dict, source, modeling)
     config = arch.model_class.config_class.from_hf(ConfigReader(config_dict, source))
     if kv_cache is not None:
         if kv_cache.dtype not in arch.model_class.kv_cache_dtypes:
@@ -179,8 +185,9 @@ def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None) -> tupl
 
 
 def load_model(
-    model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False, kv_cache: KvCacheRecord | None = None
-) -> LoadedModel:
+    model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False, kv_cache: KvCacheRecord | None = None,
+    modeling: str = "auto",
+) -> LoadedModel:  # fmt: skip
     """Build the eager model of a model folder.
 
     weights=False traces-only: parameters are fake tensors and the checkpoint
@@ -195,10 +202,11 @@ def load_model(
     compiled code must read them).
 
     kv_cache: what the caches store (default: the model's dtype); a bundle's is in
-    its manifest (`model.kv_cache`).
+    its manifest (`model.kv_cache`). modeling: whose code runs it (registry.resolve;
+    a bundle's: registry.modeling_of(its architecture)).
     """
     model_dir = Path(model_dir)
-    config_dict, arch, config = parse_config(model_dir, kv_cache)
+    config_dict, arch, config = parse_config(model_dir, kv_cache, modeling)
     checkpoint = Checkpoint(model_dir)
     if not weights:
         fake_mode = fake_tensor_mode()

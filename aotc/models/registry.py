@@ -58,9 +58,32 @@ def get_architecture(name: str) -> Architecture:
     raise ConfigError(f"unknown architecture {name!r}; {did_you_mean(name, archs)}")
 
 
-def resolve(config: dict, source: Path | str) -> Architecture:
-    """Pick the architecture for a config.json dict, by `model_type` then `architectures`."""
-    archs = architectures().values()
+MODELING = ("auto", "aotc", "transformers")
+
+
+def modeling_of(architecture: str) -> str:
+    """The --modeling that picks a bundle's recorded architecture again."""
+    from . import hf
+
+    return "transformers" if architecture == hf.NAME else "auto"
+
+
+def resolve(config: dict, source: Path | str, modeling: str = "auto") -> Architecture:
+    """Pick the architecture for a config.json dict, by `model_type` then `architectures`;
+    where aotc has no code of its own for it (or `modeling` is "transformers"),
+    transformers' own modeling code (aotc.models.hf). "aotc": aotc's own code only."""
+    from . import hf
+
+    if modeling not in MODELING:
+        raise ConfigError(f"--modeling {modeling!r}: expected one of {', '.join(MODELING)}")
+    if modeling == "transformers":
+        if not hf.knows(config):
+            raise ConfigError(
+                f"{source}: --modeling transformers, but transformers {hf.installed() or '(not installed)'} has no causal LM for "
+                f"model_type {config.get('model_type')!r}; install aotc[hf], or use --modeling auto"
+            )
+        return architectures()[hf.NAME]
+    archs = [a for a in architectures().values() if a.name != hf.NAME]
     model_type = config.get("model_type")
     names = config.get("architectures") or ()
     by_type = next((a for a in archs if model_type in a.model_types), None)
@@ -73,14 +96,20 @@ def resolve(config: dict, source: Path | str) -> Architecture:
         )
     if by_type or by_name:
         return by_type or by_name
+    if modeling == "auto" and hf.knows(config):  # transformers' own modeling code, where aotc has none of its own
+        return _BY_NAME[hf.NAME]
     known = sorted({t for a in archs for t in a.model_types})
     raise ConfigError(
         f"{source}: unsupported architecture (model_type={model_type!r}, "
-        f"architectures={config.get('architectures')!r}); aotc knows model_type {', '.join(known)}. "
+        f"architectures={config.get('architectures')!r}); aotc knows model_type {', '.join(known)}, and, with transformers "
+        f"installed (aotc[hf]), every decoder-only model transformers has. "
         "Register your own with aotc.register_architecture and pass --plugin (see README)."
     )
 
 
 def _import_builtin_models() -> None:
     # Imported lazily so that `aotc.models.registry` has no import cycle with the models.
-    from . import deepseek_v4, llama  # noqa: F401
+    from . import deepseek_v4, hf, llama  # noqa: F401
+
+    if hf.NAME not in _BY_NAME:  # by name only: resolve() picks it for what no model_type claims
+        _BY_NAME[hf.NAME] = Architecture(hf.NAME, hf.TransformersCausalLM, (), ())

@@ -72,8 +72,18 @@ def run_pipeline(program: torch.export.ExportedProgram, passes: list[Pass] | Non
             changes = p(program.graph_module).changes
             if _placeholders(program) != before:  # the program's signature would no longer be its graph's
                 raise RuntimeError(f"pass {p.name} changed the graph's inputs; a pass that does is a ProgramPass")
+            _rename_outputs(program)
         reports.append(PassRecord(p.name, p.uuid(), changes))
     return PipelineResult(program, reports, inputs)
+
+
+def _rename_outputs(program: torch.export.ExportedProgram) -> None:
+    """Point the signature's outputs at the nodes the output now returns: a GraphPass that
+    replaced a node the graph returns (a linear that is the whole entry) renamed it."""
+    out = next(n for n in reversed(program.graph_module.graph.nodes) if n.op == "output")
+    for spec, node in zip(program.graph_signature.output_specs, out.args[0]):
+        if isinstance(node, torch.fx.Node) and hasattr(spec.arg, "name"):
+            spec.arg.name = node.name
 
 
 def _placeholders(program: torch.export.ExportedProgram) -> list:
