@@ -65,3 +65,15 @@ _.wrap_steps
 
 # Set on rich's Console objects, read by rich (aotc/terminal.py).
 _.soft_wrap
+
+# The generic path (aotc/models/hf.py): what transformers reads of what aotc sets
+# (config._attn_implementation, tensors' _is_hf_initialized flags, a module's layer_idx,
+# the generated entries' __signature__, read by inspect), and the arguments its cache and
+# attention interfaces pass, which aotc's stand-ins take and ignore.
+_._attn_implementation
+_._is_hf_initialized
+_.layer_idx
+_.__signature__
+layer_idx
+dropout
+other

@@ -43,7 +43,8 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
         "flags": backend.flags(),
         "torch": torch.__version__,
     }
-    code = getattr(graph.variant.module, "aotc_code", None)
+    variant = getattr(graph, "variant", None)
+    code = getattr(variant.module, "aotc_code", None) if variant is not None else None
     if code is not None:  # a model whose code is another package's (transformers)
         payload["code"] = code
     return _digest(payload)
@@ -67,7 +68,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),
         "modeling": options.modeling,
-        "code": model_class.code_identity(config),
+        "code": model_class.code_identity(config) if hasattr(model_class, "code_identity") else {},
         "backend": [backend.name, backend.version(), backend.flags(), [p.name for p in backend.passes()]],
         "torch": torch.__version__,
         "python": platform.python_version(),
