@@ -446,18 +446,20 @@ def _fp8_rows(config: TransformersConfig, contract: Contract) -> tuple[Fp8Rows |
 
 
 def _learn(hf: nn.Module, layers: list[nn.Module], config: TransformersConfig) -> Contract:
-    """Run the model once on two tokens, where it was built (meta or fake tensors: no value
-    is computed), recording what each layer is given and writes."""
+    """Run the model once on two tokens where it was built (on meta or fake tensors, as
+    builds and loads make it, no value is computed), recording what each layer is given
+    and writes."""
     recorder = _Recorder()
-    params = inspect.signature(type(layers[0]).forward).parameters
+    signature = inspect.signature(type(layers[0]).forward)
+    params = signature.parameters
+    var_kw = next((k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     cache_param = "cache" if "cache" in params else "past_key_values"
     if cache_param not in params:
         raise ConfigError(f"{type(layers[0]).__name__}.forward takes no cache; aotc's generic path runs layers that keep a KV cache")
 
     def before(module, args, kwargs):
-        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
-        extra = bound.pop(next(k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), {}) if any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) else {}
+        bound = signature.bind(module, *args, **kwargs).arguments
+        extra = bound.pop(var_kw, {})  # what the layer's **kwargs took
         given = {**bound, **extra}
         tensors = {}
         for name, value in given.items():
@@ -547,8 +549,8 @@ def _convert_layer(layer: nn.Module, index: int, contract: Contract, rows: tuple
 @functools.cache
 def _layer_class(base: type, contract: Contract) -> type:
     params = ["x", *(("cos", "sin") if contract.rope else ()), "positions", "slots", "k_cache", "v_cache"]
-    signature = inspect.signature(base.forward).parameters
-    takes_positions = "position_ids" in signature
+    signature = inspect.signature(base.forward)  # once: forward binds with it per layer and step
+    takes_positions = "position_ids" in signature.parameters
 
     def call(self, decode: bool, args):
         named = dict(zip(params, args))
@@ -581,7 +583,7 @@ def _layer_class(base: type, contract: Contract) -> type:
     prefill = entry(bucket="chunk", caches=caches, pad=pad, split=True)(prefill)
 
     def forward(self, *args, **kwargs):
-        bound = inspect.signature(base.forward).bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs).arguments
         step = bound.get(contract.cache_param)
         if not isinstance(step, _Step):  # not aotc's loop: transformers' own layer
             return base.forward(self, *args, **kwargs)
