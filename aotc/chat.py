@@ -12,24 +12,29 @@ the template writes its own.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 from .errors import ConfigError
-from .models.config import read_json_object
+from .models.config import model_file, read_json_object
 
 
 def _read(model_dir: Path) -> tuple[str, dict]:
-    path = Path(model_dir) / "tokenizer_config.json"
+    path = model_file(model_dir, "tokenizer_config.json")
     config = read_json_object(path) if path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
-    jinja_file = Path(model_dir) / "chat_template.jinja"
+    jinja_file = model_file(model_dir, "chat_template.jinja")
     if template is None and jinja_file.is_file():
-        template = jinja_file.read_text()
+        try:
+            template = jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{jinja_file}: not UTF-8 text ({e}); a chat template is a UTF-8 Jinja file") from None
     if not isinstance(template, str):
         raise ConfigError(
             f"{path}: no chat_template (and no chat_template.jinja beside it); --chat needs the model's chat "
@@ -51,11 +56,67 @@ def has_chat_template(model_dir: Path) -> bool:
     return True
 
 
+# Limits on rendering a chat template, data from the model folder: its time, its output,
+# and what one `*` or `**` may make. A chat turn renders in milliseconds, to kilobytes.
+RENDER_SECONDS = 5.0
+RENDER_CHARS = 1 << 24
+_deadline = threading.local()  # per thread: a library caller may render from several
+
+
+class _Limit(Exception):
+    pass
+
+
+def _sandbox():
+    from jinja2 import FunctionLoader, TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    def no_other_templates(name):
+        raise TemplateError(f"it includes, imports or extends {name!r}; a chat template is one self-contained template")
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """jinja2's immutable sandbox, with a deadline checked at every call, attribute,
+        item and arithmetic operation (a loop of nothing but those is bounded by them),
+        `*` and `**` bounded in what they make, and an unsafe attribute an error."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def tick(self):
+            if time.monotonic() > getattr(_deadline, "at", float("inf")):
+                raise _Limit(f"it took more than {RENDER_SECONDS:g} s")
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+            __self.tick()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            self.tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            self.tick()
+            return super().getitem(obj, argument)
+
+        def unsafe_undefined(self, obj, attribute):
+            # jinja2 renders an unsafe attribute as an empty Undefined; say so instead
+            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} object is unsafe")
+
+        def call_binop(self, context, operator, left, right):
+            self.tick()
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_CHARS:
+                    raise _Limit(f"a repetition of {len(seq)} x {n} items is more than {RENDER_CHARS}")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 64 and abs(left) > 1:
+                raise _Limit(f"{left} ** {right} is larger than a chat template needs")
+            return super().call_binop(context, operator, left, right)
+
+    return Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], loader=FunctionLoader(no_other_templates))
+
+
 @lru_cache(maxsize=8)
 def _compiled(template: str):
     from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -63,18 +124,27 @@ def _compiled(template: str):
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _sandbox()
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(template)
 
 
 def render_user_turn(model_dir: Path, text: str) -> str:
-    """The template's rendering of one user message, with the assistant's turn opened."""
-    from jinja2 import TemplateError
-
+    """The template's rendering of one user message, with the assistant's turn opened,
+    within the limits above."""
     template, specials = _read(model_dir)
+    _deadline.at = time.monotonic() + RENDER_SECONDS
+    out, size = [], 0
     try:
-        return _compiled(template).render(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **specials)
-    except TemplateError as e:
-        raise ConfigError(f"{Path(model_dir) / 'tokenizer_config.json'}: its chat_template failed to render: {e}") from None
+        for chunk in _compiled(template).generate(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **specials):
+            size += len(chunk)
+            if size > RENDER_CHARS:
+                raise _Limit(f"its output is longer than {RENDER_CHARS} characters")
+            out.append(chunk)
+    except Exception as e:  # the template is data: whatever it does wrong, name it (SecurityError, range's cap, 1/0, ...)
+        what = str(e) if isinstance(e, _Limit) or type(e).__module__.startswith("jinja2") else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{Path(model_dir) / 'tokenizer_config.json'}: its chat_template failed to render: {what}") from None
+    finally:
+        _deadline.at = float("inf")
+    return "".join(out)

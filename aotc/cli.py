@@ -56,6 +56,20 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _disk_error(e: OSError) -> AotcError:
+    """An OSError while writing, as the user can act on it: where, and what to do."""
+    import errno
+
+    fix = {
+        errno.ENOSPC: "the disk is full: free space there, or write elsewhere",
+        errno.EDQUOT: "the disk quota is used up: free space there, or write elsewhere",
+        errno.EROFS: "the file system is read-only: write elsewhere",
+        errno.EACCES: "it is not writable by you: write elsewhere, or change its permissions",
+        errno.EPERM: "it is not writable by you: write elsewhere, or change its permissions",
+    }.get(e.errno, "check the path and the disk")
+    return AotcError(f"{e.filename or 'a file'}: {e.strerror or e}; {fix}. Nothing was left half-written")
+
+
 def _fail(e: AotcError) -> None:
     # soft_wrap: the terminal wraps the line, so paths and commands in it stay whole to copy.
     err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
@@ -87,6 +101,8 @@ def init_tiny(
         path = write_tiny(out, arch=arch, layers=layers, seed=seed, force=force, quantize=quantize, layout=checkpoint_layout, **parse_flags(set_field, "--set"))
     except AotcError as e:
         _fail(e)
+    except OSError as e:  # a full or read-only disk: write_tiny writes a temporary folder, renamed when whole
+        _fail(_disk_error(e))
     console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}")
 
 
@@ -184,6 +200,8 @@ def build(
             result = run_build(options, progress=report)
     except AotcError as e:
         _fail(e)
+    except OSError as e:  # a full or read-only disk under -o: the bundle writer removed its temporary folder
+        _fail(_disk_error(e))
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the bundle writer has removed its temporary folder
         where = "nothing was written" if options is None else f"{options.out or 'the cache'} is as it was before this build"
         err_console.print(f"interrupted: {where}", highlight=False)
@@ -697,7 +715,9 @@ def _check_memory(model, b) -> None:
 def _tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
-    path = Path(model_dir) / "tokenizer.json"
+    from .models.config import model_file
+
+    path = model_file(model_dir, "tokenizer.json")
     if not path.is_file():
         raise AotcError(f"{path}: missing; `aotc run` needs the model's tokenizer.json to encode --prompt text")
     try:

@@ -132,11 +132,14 @@ def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
             continue
         all_reads = [reads_of[group[0][0]] for group in keyed.values()]
         differing = sorted({k for r in all_reads for k in r if len({repr(x.get(k)) for x in all_reads}) > 1})
+        signatures = [set(key[0]) for key in keyed]
+        shared = set.intersection(*signatures)
         for i, group in enumerate(keyed.values()):
             reads = reads_of[group[0][0]]
             attrs = {k: reads.get(k) for k in differing}
-            if not differing:  # the weights differ in shape or dtype
-                attrs = {"weights": [f"{n}:{list(s)}:{d}" for n, s, d in _weight_signature(group[0][1])][:4]}
+            if not differing:  # the weights differ: in shape, dtype, layout or stored form (an fp8 layer among plain ones)
+                own = sorted(signatures[i] - shared, key=str)
+                attrs = {"weights": [f"{key}:{list(shape)}:{dtype}" for key, shape, dtype, _ in own][:4]}
             variants.append(Variant(f"{base}.v{i}", cls, spec, group, attrs))
     return variants
 

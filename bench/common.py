@@ -154,6 +154,25 @@ def timeit(fn, *, min_time=0.5, repeats=5, best=False) -> float:
     return min(samples) if best else statistics.median(samples)
 
 
+def transformers_decode_step(hf, prompts: torch.Tensor, ids: torch.Tensor):
+    """transformers' own decode step, as its users run it: the model with its DynamicCache,
+    prefilled with `prompts` [B, P]; each call decodes `ids` [B] at position P (the step's
+    token is dropped from the cache after it) and returns float logits [B, V]."""
+    import transformers
+
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(input_ids=prompts, cache=cache, use_cache=True)
+
+    @torch.no_grad()
+    def step():
+        out = hf(input_ids=ids[:, None], cache=cache, use_cache=True)
+        cache.crop(-1)
+        return out.logits[:, -1].float()
+
+    return step
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, min_time: float = 3.0) -> float:
     """Copy bandwidth, as issue 19 defines it: bytes read per second by a streaming
     reduction (a sum) over a buffer of 1 GiB (default), far larger than any cache; best of 10."""

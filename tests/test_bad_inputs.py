@@ -172,6 +172,22 @@ CASES = [
     Case("heads-do-not-divide", "model", lambda e: build(config(e, num_key_value_heads=3)), "num_key_value_heads"),
     Case("dtype-unknown", "model", lambda e: build(config(e, dtype="float7", torch_dtype="float7")), "float7"),
     Case("rope-scaling-type-unknown", "model", lambda e: build(config(e, rope_scaling={"rope_type": "warp", "factor": 2.0})), "warp"),
+    # -- config.json values of the wrong type, or that make a broken model --------------------
+    Case("rope-theta-string", "model", lambda e: build(config(e, rope_theta="x")), "field 'rope_theta' must be a number, got 'x'"),
+    Case("rope-parameters-theta-string", "model", lambda e: build(config(e, rope_parameters={"rope_type": "default", "rope_theta": "x"})), "field 'rope_theta' must be a number, got 'x'"),
+    *[Case(f"rope-theta-{v}", "model", lambda e, v=v: build(config(e, rope_theta=v)), f"field 'rope_theta' must be a finite number above 0, got {v}") for v in (0, -1.5)],
+    *[Case(f"rms-norm-eps-{v}", "model", lambda e, v=v: build(config(e, rms_norm_eps=v)), f"field 'rms_norm_eps' must be a finite number above 0, got {v}") for v in (-1e-6, float("nan"), 0)],
+    Case("rope-factor-zero", "model", lambda e: build(config(e, rope_scaling={"rope_type": "linear", "factor": 0})), "field 'factor' must be a finite number above 0, got 0"),
+    Case("rope-llama3-equal-freq-factors", "model", lambda e: build(config(e, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0, "original_max_position_embeddings": 64})), "needs high_freq_factor above low_freq_factor"),
+    Case("sliding-window-zero", "model", lambda e: build(config(e, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=0)), "field 'sliding_window' must be a positive integer, got 0"),
+    Case("config-integer-of-5000-digits", "model", lambda e: build(e) if write(e.model / "config.json", (e.model / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": ' + "9" * 5000)) else None, "not valid JSON (ValueError: Exceeds the limit"),
+    Case("config-nested-deeply", "model", lambda e: build(e) if write(e.model / "config.json", (e.model / "config.json").read_text()[:-2] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}") else None, "not valid JSON (RecursionError"),
+    *[Case(f"v4-compress-rate-{v!r}", "model", lambda e, v=v: build(_v4(e, lambda c: c["compress_rates"].update(compressed_sparse_attention=v))),
+           f"compress_rates['compressed_sparse_attention'] is {v!r}; expected a positive integer") for v in ("x", -4, 4.7)],
+    Case("v4-yarn-original-positions-zero", "model", lambda e: build(_v4(e, lambda c: c["rope_parameters"].update(compress={**c["rope_parameters"]["compress"], "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}))),
+         "field 'original_max_position_embeddings' must be a finite number above 0, got 0"),
+    Case("quantization-block-disagrees", "model", lambda e: build(config(e, quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})), "quantization_config.weight_block_size is [64, 64]; aotc reads fp8 weights with a scale per 128x128 block"),
+    Case("layers-far-more-than-the-checkpoint", "model", lambda e: build(config(e, num_hidden_layers=10**7)), "num_hidden_layers is 10000000, but the checkpoint has tensors for layers 0 to 1 only"),
     # -- model folder: weights -----------------------------------------------------------
     Case("safetensors-missing", "model", lambda e: build(e) if (e.model / "model.safetensors").unlink() is None else None, "safetensors"),
     Case("safetensors-truncated", "model", lambda e: build(e) if write(e.model / "model.safetensors", (e.model / "model.safetensors").read_bytes()[:1000]) else None, "not a readable safetensors file"),
@@ -193,6 +209,44 @@ CASES = [
     Case("tokenizer-missing", "model", lambda e: ["run", e.model, "--eager", "--max-new-tokens", "2"] if (e.model / "tokenizer.json").unlink() is None else None, "tokenizer.json"),
     Case("run-model-of-another-shape", "model", lambda e: run(config(e, intermediate_size=300)), "expected [300, 256] from config.json; the config and the weights do not belong together"),
     Case("run-model-of-another-architecture", "model", lambda e: run(config(e, model_type="qwen2", architectures=["Qwen2ForCausalLM"])), "checkpoint has no tensor 'model.layers.0.self_attn.q_proj.bias'"),
+    # -- model folder: paths stay inside it; shard indexes; files that are no files -----------
+    *[Case(f"index-shard-{k}", "model", lambda e, v=v: build(index(e, v)), "expected the name of a shard file in") for k, v in
+      (("escapes", "../../x.safetensors"), ("absolute", "/etc/passwd"), ("a-number", 5), ("a-list", ["model.safetensors"]), ("empty", ""))],
+    Case("index-weight-map-a-list", "model", lambda e: build(e) if write(e.model / "model.safetensors.index.json", json.dumps({"weight_map": ["model.safetensors"]})) else None, "'weight_map' is list"),
+    Case("tensor-in-two-shards", "model", lambda e: build(_two_shards(e)), "is in a.safetensors too; a checkpoint holds each tensor once"),
+    Case("safetensors-a-fifo", "model", lambda e: build(_fifo(e)), "model.safetensors: not a regular file"),
+    *[Case(f"link-outside-{name}", "model", lambda e, name=name: (build(_link_outside(e, name)) if name != "tokenizer.json" else ["run", _link_outside(e, name).model, "--eager", "--max-new-tokens", "2"]),
+           f"{name}: a link to") for name in ("config.json", "model.safetensors", "tokenizer.json")],
+    Case("link-outside-chat-template", "model", lambda e: chat(_link_outside(chat_template(e, None), "chat_template.jinja")), "chat_template.jinja: a link to"),
+    # -- model folder: the chat template, data that renders in a sandbox with limits ---------
+    *[Case(f"template-{k}", "model", lambda e, t=t: chat(chat_template(e, t)), m) for k, t, m in (
+        ("range-huge", "{% for i in range(10**9) %}{% endfor %}", "Range too big"),
+        ("recursive-macro", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("include", "{% include 'other.jinja' %}", "it includes, imports or extends 'other.jinja'"),
+        ("import", "{% import 'macros.jinja' as m %}", "it includes, imports or extends 'macros.jinja'"),
+        ("extends", "{% extends 'base.jinja' %}", "it includes, imports or extends 'base.jinja'"),
+        ("divide-by-zero", "{{ 1/0 }}", "ZeroDivisionError"),
+        ("str-plus-int", "{{ 'a' + 1 }}", "TypeError"),
+        ("repeat-huge", "{{ 'x' * 4000000000 }}", "a repetition of 1 x 4000000000 items"),
+        ("repeat-float", "{{ 'x' * 4e9 }}", "TypeError"),
+        ("power-huge", "{{ 2 ** 100000000 }}", "2 ** 100000000 is larger than a chat template needs"),
+        ("output-huge", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "its output is longer than"),
+        ("syntax", "{% for %}", "failed to render"),
+        # The sandbox holds: each escape tried is refused as unsafe, nothing rendered.
+        ("escape-mro", "{{ ''.__class__.__mro__ }}", "access to attribute '__class__' of a str object is unsafe"),
+        ("escape-subclasses", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+        ("escape-cycler", "{{ cycler.__init__.__globals__ }}", "unsafe"),
+        ("escape-joiner", "{{ joiner.__init__.__globals__ }}", "unsafe"),
+        ("escape-namespace", "{{ namespace.__init__.__globals__ }}", "unsafe"),
+        ("escape-lipsum", "{{ lipsum.__globals__['os'] }}", "unsafe"),
+        ("escape-template-reference", "{{ self._TemplateReference__context }}", "unsafe"),
+        ("escape-attr-filter", "{{ ''|attr('__class__') }}", "unsafe"),
+        ("escape-format", "{{ '{0.__class__}'.format(1) }}", "unsafe"),
+    )],
+    Case("template-double-loop", "model", lambda e: chat(chat_template(e, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")),
+         "it took more than 0.2 s", patch=lambda mp: mp.setattr("aotc.chat.RENDER_SECONDS", 0.2)),
+    Case("template-jinja-not-utf8", "model", lambda e: chat(_jinja_bytes(e, b"{{ '\xff\xfe' }}")), "chat_template.jinja: not UTF-8 text"),
+    Case("template-named-with-a-list-name", "model", lambda e: chat(chat_template(e, [{"name": ["default"], "template": "x"}])), "no chat_template"),
     # -- bundle ----------------------------------------------------------------------------
     Case("manifest-missing", "bundle", lambda e: run(e) if (e.bundle / "manifest.json").unlink() is None else None, "manifest.json"),
     Case("manifest-not-json", "bundle", lambda e: run(e) if write(e.bundle / "manifest.json", "{") else None, "manifest.json"),
@@ -240,6 +294,68 @@ CASES = [
     Case("program-not-a-zip-hashes-fixed", "tampering", lambda e: run(e) if write(artifact_file(e), b"PK-not-a-zip") and rehash(e.bundle) is None else None, "program.pt2"),
     Case("manifest-files-listed-outside", "tampering", lambda e: run(manifest(e, lambda m: m["entries"][0]["artifacts"][0]["files"].update({"../manifest.json": "0" * 64}))), "manifest.json"),
 ]
+
+
+def _v4(env: Env, change: Callable[[dict], None]) -> Env:
+    """The case's model replaced by a tiny DeepSeek V4, its config.json changed."""
+    from aotc.models.tiny import write_tiny
+
+    write_tiny(env.model, arch="deepseek_v4", layers=3, force=True)
+    cfg = json.loads((env.model / "config.json").read_text())
+    change(cfg)
+    write(env.model / "config.json", json.dumps(cfg))
+    return env
+
+
+def chat(env: Env) -> list:
+    return ["run", env.model, "--eager", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+
+
+def chat_template(env: Env, template) -> Env:
+    write(env.model / "tokenizer_config.json", json.dumps({"chat_template": template} if template is not None else {}))
+    return env
+
+
+def _jinja_bytes(env: Env, data: bytes) -> Env:
+    (env.model / "chat_template.jinja").write_bytes(data)
+    return env
+
+
+def index(env: Env, shard) -> Env:
+    """A shard index whose weight_map names `shard` for one tensor (the rest in model.safetensors)."""
+    names = list(load_file(env.model / "model.safetensors"))
+    write(env.model / "model.safetensors.index.json", json.dumps({"weight_map": {**{n: "model.safetensors" for n in names}, W: shard}}))
+    return env
+
+
+def _two_shards(env: Env) -> Env:
+    """Two shards that both hold every tensor."""
+    for name in ("a.safetensors", "b.safetensors"):
+        shutil.copy(env.model / "model.safetensors", env.model / name)
+    (env.model / "model.safetensors").unlink()
+    names = list(load_file(env.model / "a.safetensors"))
+    write(env.model / "model.safetensors.index.json", json.dumps({"weight_map": {n: ("a.safetensors" if i % 2 else "b.safetensors") for i, n in enumerate(names)}}))
+    return env
+
+
+def _fifo(env: Env) -> Env:
+    import os
+
+    (env.model / "model.safetensors").unlink()
+    os.mkfifo(env.model / "model.safetensors")
+    return env
+
+
+def _link_outside(env: Env, name: str) -> Env:
+    """`name` in the model folder made a link to a copy of it outside the folder."""
+    outside = env.root / f"outside-{name}"
+    source = env.model / name
+    if source.exists():
+        shutil.move(str(source), outside)
+    else:
+        outside.write_text("{{ messages[0].content }}")
+    source.symlink_to(outside)
+    return env
 
 
 def _stored_bundle(env: Env, change) -> Env:

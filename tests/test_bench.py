@@ -143,6 +143,32 @@ def test_v4_bytes_read_are_the_chosen_experts_and_the_rest(bench):
     assert (result["prompt_tokens"], result["chunk"], result["max_seq"]) == (40, 16, 64)
 
 
+def test_generic_times_llama_both_ways_and_qwen3_against_transformers(bench):
+    run, sections = bench
+    result = sections["generic"](run)
+    assert [(r["model"], r["batch"]) for r in result["llama"]] == [("llama tiny", 1), ("llama tiny", 4)]
+    assert [(r["model"], r["batch"]) for r in result["qwen3"]] == [("qwen3 tiny", 1), ("qwen3 tiny", 4)]
+    for r in result["llama"]:
+        assert math.isclose(r["generic / llama path"], r["aotc export generic path ms"] / r["aotc export llama path ms"])
+    assert set(result["build_s"]) == {"llama path", "generic path (llama)", "generic path (qwen3)"}
+
+
+def test_moe_graphs_read_each_tokens_chosen_experts_and_every_other_weight(bench):
+    """At batch 1 the decode graphs read exactly the chosen experts and every other weight
+    (the token's k experts are distinct); at batch 4, each token's k, counted from the
+    graphs' indexing, at least the distinct ones."""
+    run, sections = bench
+    result = sections["moe"](run)
+    c = result["config"]
+    layers, k = c["num_hidden_layers"], c["num_experts_per_tok"]
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    assert result["chosen_expert_bytes"][1] == layers * k * result["expert_bytes"]
+    assert result["graph_bytes_read"][1] == result["chosen_expert_bytes"][1] + result["other_bytes_read"]
+    assert result["graph_bytes_read"][4] == layers * 4 * k * result["expert_bytes"] + result["other_bytes_read"]
+    assert result["chosen_expert_bytes"][4] <= layers * 4 * k * result["expert_bytes"]
+    assert result["params"] > 0 and all(r["aotc export ms"] > 0 and r["transformers ms"] > 0 for r in result["rows"])
+
+
 def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
     run, sections = bench
     rows = sections["kvcache"](run)["rows"]

@@ -52,6 +52,22 @@ def test_recipe_key_changes_with_config_backend_and_sources(tiny_dir, tmp_path, 
     assert recipe_key(o, config, model_class, backend) != base
 
 
+def test_recipe_key_changes_with_the_checkpoints_tensors(tiny_dir, tmp_path):
+    """A checkpoint re-saved in another dtype or format under the same config.json makes
+    other graphs: its recipe must not serve the first one's bundle."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    base = key_of(options(other, tmp_path))
+    tensors = load_file(other / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
+    save_file(tensors, other / "model.safetensors")
+    assert key_of(options(other, tmp_path)) != base
+
+
 class FakeBackend:
     name = "export"
 

@@ -100,3 +100,4 @@ def test_build_never_reads_weight_values(model, monkeypatch):
     assert all(type(p).__name__ == "FakeTensor" for p in fake.model.parameters())
     with pytest.raises(AssertionError, match="weights were read"):
         load_model(model, weights=True)
+

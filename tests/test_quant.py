@@ -5,6 +5,7 @@ generates with the same weights dequantized at load."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -145,7 +146,6 @@ def test_load_keeps_stored_forms(models):
 
 def test_checkpoint_errors(models, tmp_path):
     from safetensors.torch import load_file, save_file
-    import shutil
 
     bad = tmp_path / "bad"
     shutil.copytree(models["llama"], bad)
@@ -197,6 +197,28 @@ def test_fp8_llama_compiled_equals_eager(models, tmp_path, backend, monkeypatch)
     if backend == "inductor":  # the CPU decodes fp8 by moving bits: every fp8 weight of a layer
         decode = next(e for e in out.manifest.entries if e.id == "LlamaDecoderLayer.decode")
         assert all({p.name: p.changes for p in a.passes}["decode_fp8_bits"] == 7 for a in decode.artifacts)
+
+
+@pytest.mark.parametrize("second", ["plain", "e8m0-scales"])
+def test_a_checkpoint_that_mixes_layer_formats_builds_a_variant_per_format(models, tmp_path, second):
+    """Layer 1 plain (dequantized) or with E8M0 scales where layer 0 keeps fp8 with F32
+    scales, as the README allows: each format is a variant of its own, which builds and
+    generates what eager does (it raised in find_variants)."""
+    from safetensors.torch import load_file, save_file
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(models["llama"], mixed)
+    tensors = load_file(mixed / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.layers.1.") and n.endswith("_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        if second == "plain":
+            tensors[weight] = quant.dequantize("fp8", tensors[weight], tensors.pop(name), torch.float32)
+        else:  # the scales' exponents only: powers of two as E8M0 bytes
+            tensors[name] = (torch.exp2(torch.log2(tensors[name]).round()).log2() + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    save_file(tensors, mixed / "model.safetensors", metadata={"format": "pt"})
+    out = check_bundle(mixed, "export", tmp_path)
+    decode = [e for e in out.manifest.entries if e.id.startswith("LlamaDecoderLayer.decode")]
+    assert sorted(i for e in decode for i in e.instances) == ["model.layers.0", "model.layers.1"] and len(decode) == 2
 
 
 # What both reports say of V4's MoE: its compiled form is another algorithm than its eager code.

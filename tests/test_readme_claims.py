@@ -125,3 +125,48 @@ def test_remote_downloads_are_checked_before_they_enter_the_cache(tiny_dir, tmp_
     finally:
         remote_client.cache_clear()
         server.stop()
+
+
+def _section_tables(title: str) -> list[list[list[str]]]:
+    """The tables of a README section: rows of cells, the header and rule left out."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    body = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    tables, rows = [], []
+    for line in body.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif rows:
+            tables.append(rows[2:])
+            rows = []
+    return tables
+
+
+def _types(cell: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"`([a-z0-9_]+)`", cell))
+
+
+def test_the_supported_models_tables_are_the_registry_and_the_tests():
+    """README "Supported models": aotc's own rows are the registry's model types, the
+    generic row is the conformance matrix, every refused example is a refusal test."""
+    import transformers
+
+    from aotc.models import hf
+    from aotc.models.registry import architectures, resolve
+
+    from .test_transformers_path import ARCHS, REFUSED
+
+    supported, refused = _section_tables("Supported models")
+    own = {t for a in architectures().values() if a.name != hf.NAME for t in a.model_types}
+    rows = [(row[1].split(" (")[0], _types(row[0])) for row in supported]
+    assert set().union(*(types for through, types in rows if through == "aotc's own code")) == own
+    (generic,) = [types for through, types in rows if through == "the generic path"]
+    assert generic == set(ARCHS) - own
+    for model_type in generic:
+        config = getattr(transformers, ARCHS[model_type][0])().to_dict()
+        assert resolve(config, "config.json").name == hf.NAME, model_type
+    examples = set().union(*(_types(row[1].split(" with ")[0]) for row in refused))  # "gemma3_text with use_...": the type
+    assert examples == set(REFUSED)

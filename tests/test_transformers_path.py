@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from aotc.build.plan import make_plan
 from aotc.cli import app
 from aotc.errors import AotcError, ConfigError
 from aotc.format import read_manifest
+from aotc.layout import compiled_forms
 from aotc.models import hf as hf_path
 from aotc.models.base import load_model
 from aotc.models.registry import modeling_of
@@ -55,10 +57,15 @@ ARCHS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(COMMON, sliding_window=WINDOW, use_bias=True)),  # LayerNorm, biases, GELU MLP
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=256, initializer_range=0.1)),  # learnt positions, Conv1D
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, tie_word_embeddings=True)),  # aotc has its own: --modeling transformers
+    # MoE: transformers saves the experts one tensor each (merged on load); a dense layer among
+    # sparse ones (a variant); decode at batch 1 gathers its 2 x 2 choices of 8 experts, at 4
+    # runs each expert on its tokens, as prefill does.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=WINDOW)),  # renamed block_sparse_moe
 }
 LAYERS = {"gpt2": "n_layer"}
 # Compiled on inductor and xla in CI; the others under `slow`.
-IN_CI = ("gemma2", "phi3")
+IN_CI = ("gemma2", "qwen3_moe")
 
 
 def save(name: str, folder, layers: int = 3, dtype: torch.dtype = torch.float32, **more):
@@ -189,6 +196,22 @@ def test_a_layer_that_reads_its_index_in_forward_is_refused(tmp_path, monkeypatc
         make_plan(BuildOptions(model_dir, out=tmp_path / "o", batch_buckets=(1,), chunk_buckets=(CHUNK,), max_seq=64, backend="export"))
 
 
+def test_a_layer_that_needs_more_of_the_cache_than_update_is_refused(tmp_path, monkeypatch):
+    """A layer that asks transformers' cache for its length (to place its positions) is
+    refused naming the layer and what it asked for."""
+    model_dir = save("qwen3", tmp_path / "model")
+    qwen3 = transformers.models.qwen3.modeling_qwen3
+    real = qwen3.Qwen3Attention.forward
+
+    def forward(self, *args, **kwargs):
+        kwargs["cache"].get_seq_length()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(qwen3.Qwen3Attention, "forward", forward)
+    with pytest.raises(ConfigError, match=r"Qwen3ForCausalLM: layer 0 \(Qwen3DecoderLayer\) asks transformers' cache for 'get_seq_length'; aotc's stand-in cache has update\(\) only"):
+        load_model(model_dir)
+
+
 def test_a_layer_whose_attention_bypasses_the_interface_is_refused(tmp_path, monkeypatch):
     """A model that computes attention with its own code (its own mask) would read the
     whole stand-in cache unmasked: refused, naming the layer."""
@@ -249,6 +272,74 @@ def test_verify_and_a_neuron_cross_build(tmp_path, monkeypatch):
         assert a.form == "static" and not a.extra.lint, (e.id, a.extra.lint)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_graphs_gather_at_decode_run_each_expert_at_prefill_and_are_static_for_neuron(name, tmp_path, monkeypatch):
+    """Decode at batch 1 (2 x 2 choices of 8 experts) indexes the fused expert weights by
+    the choices, with no nonzero; prefill (16 x 2 choices) runs each expert on its tokens,
+    found by nonzero on export; the neuron cross-build's HLO of every graph is static with
+    no lint."""
+    model_dir = save(name, tmp_path / "model")
+    plan = make_plan(BuildOptions(model_dir, out=tmp_path / "o", batch_buckets=(1,), chunk_buckets=(CHUNK,), max_seq=128, context_buckets=(), backend="export"))
+    sparse = {v.entry_id.split(".")[1]: v for v in plan.variants if any("experts" in n for n, _ in v.module.named_parameters())}
+    assert sorted(sparse) == ["decode", "prefill"]
+    for method, v in sparse.items():
+        graph = trace(v, 1 if method == "decode" else CHUNK, plan.shapes, plan.backend).graph_module.graph
+        targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        nonzero = sum("nonzero" in t for t in targets)
+        assert nonzero == (0 if method == "decode" else 8), (v.entry_id, nonzero)
+    # The compiled form is another algorithm than the eager loop: named, as --check and verify name it.
+    (form,) = compiled_forms(load_model(model_dir, weights=False).model)
+    assert (form.cls, form.modules) == ({"qwen3_moe": "Qwen3MoeExperts", "mixtral": "MixtralExperts"}[name], 2 if name == "qwen3_moe" else 3)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc
+    cross = bundle_of(name, model_dir, tmp_path / "neuron", "neuron")
+    for e, a in read_manifest(cross).artifacts():
+        assert a.pending and a.form == "static" and not a.extra.lint, (e.id, a.extra.lint)
+
+
+def test_an_expert_picked_in_two_slots_counts_twice_as_in_transformers():
+    """A router may name one expert in two of a token's slots (a hash or a tie): transformers
+    runs it twice, weighted by each slot; aotc's eager code and both compiled forms (each
+    token's chosen experts gathered, each expert on its tokens) agree."""
+    config = transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    x = torch.randn(3, 64)
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
+    chosen = torch.tensor([[2, 2], [0, 1], [3, 3]])  # tokens 0 and 2 name one expert twice
+    config._experts_implementation = "eager"
+    theirs = experts(x, chosen, weights)
+    assert_close = torch.testing.assert_close
+    assert_close(theirs[0], 1.0 * experts(x[:1], torch.tensor([[2, 0]]), torch.tensor([[1.0, 0.0]]))[0])
+    assert_close(hf_path._experts(experts, x, chosen, weights), theirs, rtol=1e-5, atol=1e-6)  # eager: the experts hit
+    experts.__class__ = hf_path._experts_class(type(experts))
+    gathered = experts.compiled_forward(x[:1], chosen[:1], weights[:1], derived={})  # 2 choices < 4 experts: decode's form
+    assert_close(gathered[0], theirs[0], rtol=1e-5, atol=1e-6)
+    assert_close(experts.compiled_forward(x, chosen, weights, derived={}), theirs, rtol=1e-5, atol=1e-6)  # 6 choices: every expert
+
+
+def test_per_expert_tensors_are_merged_and_a_missing_one_is_named(tmp_path):
+    """transformers saves fused experts one tensor per expert (and mixtral's under its old
+    names): the header-only load checks the merged shapes, and a checkpoint that lacks one
+    expert is refused naming the parameter and its shape."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save("mixtral", tmp_path / "model")
+    tensors = load_file(model_dir / "model.safetensors")
+    assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in tensors and not any("gate_up_proj" in k for k in tensors)
+    fake = load_model(model_dir, weights=False).model
+    assert tuple(fake.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape) == (8, 96, 64)
+    real = load_model(model_dir).model
+    gate_up = real.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    torch.testing.assert_close(gate_up[5, :48], tensors["model.layers.0.block_sparse_moe.experts.5.w1.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(gate_up[5, 48:], tensors["model.layers.0.block_sparse_moe.experts.5.w3.weight"], rtol=0, atol=0)
+    del tensors["model.layers.1.block_sparse_moe.experts.7.w3.weight"]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(AotcError, match=r"model.layers.1.mlp.experts.gate_up_proj is merged from 8 tensors like 'model.layers.1.block_sparse_moe.experts.0.w1.weight' and 7 like 'model.layers.1.block_sparse_moe.experts.0.w3.weight'; the checkpoint lacks some of them"):
+        load_model(model_dir, weights=False)
+
+
 def test_cache_keys_carry_transformers_version_and_modeling_source(tmp_path, monkeypatch):
     model_dir = save("olmo2", tmp_path / "model")
     options = dict(out=tmp_path / "o", batch_buckets=(1,), chunk_buckets=(CHUNK,), max_seq=64, backend="export")
@@ -282,6 +373,58 @@ def test_unknown_and_refused_models_name_the_field(tmp_path):
     neo.save_pretrained(tmp_path / "neo")
     with pytest.raises(ConfigError, match=r"transformers' GPTNeoForCausalLM cannot be built with aotc's attention function \(KeyError: 'aotc'\); .* through transformers' AttentionInterface"):
         load_model(tmp_path / "neo")
+
+
+SMALL = dict(COMMON, num_hidden_layers=4, intermediate_size=128)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+# model_type: (fields, what `aotc build` says): each kind of model the generic path cannot take.
+REFUSED = {
+    "qwen3_next": (dict(SMALL, **LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                   r"layer_types\[0\] is 'linear_attention', a linear-attention or state-space layer \(Gated DeltaNet, Mamba, \.\.\.\), which keeps recurrent state"),
+    "mamba": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8), r"layer_types\[0\] is 'linear_attention'"),
+    "lfm2": (dict(SMALL, layer_types=["conv", "full_attention", "conv", "full_attention"]), r"layer_types\[0\] is 'conv', a short convolution, which keeps its last inputs"),
+    "llama4_text": (dict(SMALL, attention_chunk_size=8, num_local_experts=4, intermediate_size_mlp=128), r"layer_types\[0\] is 'chunked_attention', chunked attention"),
+    "gemma4_text": (dict(SMALL, hidden_size_per_layer_input=0, vocab_size_per_layer_input=128, num_kv_shared_layers=2, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"] * 2),
+                    r"field 'num_kv_shared_layers' is 2: the last 2 layers read the keys and values of earlier layers \(KV state shared across layers\)"),
+    "gemma3_text": (dict(SMALL, sliding_window=8, use_bidirectional_attention=True),
+                    r"Gemma3ForCausalLM: its forward builds its attention mask with create_causal_mask and an or_mask_function; aotc's generic path masks by position"),
+    "bart": (dict(vocab_size=128, d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, max_position_embeddings=256),
+             r"model_type 'bart' is an encoder-decoder family; its BartForCausalLM is the decoder, with cross-attention to an encoder"),
+    "t5": (dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4), r"model_type 't5' is an encoder-decoder \(field 'is_encoder_decoder' is true\); aotc compiles decoder-only causal LMs"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_what_the_generic_path_cannot_take_is_refused_before_any_compile(model_type, tmp_path):
+    """aotc build exits 2 naming the layer kind and what is missing, having traced nothing."""
+    fields, message = REFUSED[model_type]
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    auto = transformers.AutoModel if model_type == "t5" else transformers.AutoModelForCausalLM
+    auto.from_config(config).save_pretrained(tmp_path / "model")
+    out = tmp_path / "bundle"
+    r = CliRunner().invoke(app, ["build", str(tmp_path / "model"), "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--no-cache", "-o", str(out)], env={"COLUMNS": "400"})
+    assert r.exit_code == 2, r.output
+    assert re.search(message, " ".join(r.output.split())), r.output
+    assert not out.exists() or not any(out.iterdir())
+
+
+GEMMA4 = dict(SMALL, vocab_size_per_layer_input=128, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(GEMMA4, num_kv_shared_layers=2), r"field 'num_kv_shared_layers' is 2"),
+    (dict(GEMMA4, hidden_size_per_layer_input=16), r"its layers are given the tensors per_layer_input, which aotc's generic path does not pass yet"),
+    (dict(GEMMA4, hidden_size_per_layer_input=0), r"its layers write caches of several shapes \(\[\(\(1, 2, 2, 16\), \(1, 2, 2, 16\)\), \(\(1, 2, 2, 512\), \(1, 2, 2, 512\)\)\]\); aotc's generic path needs one"),
+])  # fmt: skip
+def test_gemma4_is_refused_naming_what_the_generic_path_lacks(fields, message, tmp_path):
+    """Gemma 4 shares KV across layers, gives each layer an input of its own, and has global
+    layers of another head size than its sliding ones: each refused in turn, by name."""
+    torch.manual_seed(0)
+    transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**fields)).save_pretrained(tmp_path / "model")
+    with pytest.raises(ConfigError, match=message):
+        load_model(tmp_path / "model", weights=False)
 
 
 def test_a_llama_bundle_runs_without_transformers_and_a_generic_one_imports_its_module_only(tiny_bundle, tmp_path):

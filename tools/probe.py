@@ -1,7 +1,7 @@
 """The trust and nothing-lost probe: hostile and careless inputs, each run as a process of
 its own against an aotc source tree, and the outcomes counted per class.
 
-    python tools/probe.py [--tree DIR] [--only NAME ...] [--json FILE]
+    python tools/probe.py [--tree DIR] [--only NAME ...] [--classes CLASS ...] [--json FILE]
 
 --tree: the aotc source tree the cases run (as PYTHONPATH; default: this one). A
 worktree of an older commit gives that commit's counts, with the same cases. Each
@@ -16,7 +16,10 @@ process did and what is left on disk:
     hang       still running at the case's time limit
     lost       a file aotc did not make deleted or written, or a process left running
 
-The first three are said as the issue "Trust and nothing lost, round two" counts them.
+The first three are said as the issue "Trust and nothing lost, round two" counts them;
+the rest as "Bad inputs, round two" (issue 45) counts them: resources (full and
+read-only disks, threads, a huge layer count), the eager path, chat templates, model
+folders and Hub ids.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ class Probe:
         key = f"model-{name}"
         if key not in self._built:
             out = self.work / key
-            fields = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-            r = self.python(f"from aotc.models.tiny import write_tiny; write_tiny({str(out)!r}, layers=2, {fields})")
+            fields = ", ".join(f"{k}={v!r}" for k, v in {"layers": 2, **overrides}.items())
+            r = self.python(f"from aotc.models.tiny import write_tiny; write_tiny({str(out)!r}, {fields})")
             assert r.rc == 0, r.out
             self._built[key] = out
         return self._built[key]
@@ -372,16 +375,211 @@ NOTHING_LOST = [
     Case("nothing lost", "SIGTERM of an inductor --jobs 2 build", interrupted("SIGTERM")),
     Case("nothing lost", "SIGKILL of an inductor --jobs 2 build", interrupted("SIGKILL")),
 ]
-CASES = TRUST + NOTHING_LOST
+# -- bad inputs, round two (issue 45): resources, the eager path, templates, model folders, Hub ids --
+
+
+def in_model(prepare: Callable[[Path, Path], list], words: str) -> Callable[["Probe", Path], str]:
+    """A case on a copy of the tiny model: prepare(model, ws) changes it and gives the
+    aotc command line; the process must refuse it naming `words`, and leave the copy's
+    files as prepare left them."""
+
+    def run(p: Probe, ws: Path) -> str:
+        m = ws / "model"
+        shutil.copytree(p.model(), m)
+        argv = prepare(m, ws)
+        before = {f: f.read_bytes() for f in m.rglob("*") if f.is_file() and not f.is_symlink()}
+        outcome = judge(p.aotc(*argv, timeout=120), words)
+        after = {f: f.read_bytes() for f in m.rglob("*") if f.is_file() and not f.is_symlink()}
+        return "lost" if before != after else outcome
+
+    return run
+
+
+def _config(m: Path, **changes) -> Path:
+    cfg = json.loads((m / "config.json").read_text())
+    cfg.update(changes)
+    (m / "config.json").write_text(json.dumps(cfg))
+    return m
+
+
+def _template(m: Path, template) -> Path:
+    (m / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return m
+
+
+def _index(m: Path, shard) -> Path:
+    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+    return m
+
+
+def _linked(m: Path, ws: Path, name: str) -> Path:
+    outside = ws / f"outside-{name}"
+    shutil.move(str(m / name), outside)
+    (m / name).symlink_to(outside)
+    return m
+
+
+def _fifo(m: Path) -> Path:
+    (m / "model.safetensors").unlink()
+    os.mkfifo(m / "model.safetensors")
+    return m
+
+
+BUILT = ["--backend", "export", *BUILD, "--no-cache"]
+
+
+def build_of(change: Callable[[Path], Path]) -> Callable[[Path, Path], list]:
+    return lambda m, ws: ["build", change(m), *BUILT, "-o", ws / "out"]
+
+
+def chat_of(template) -> Callable[[Path, Path], list]:
+    return lambda m, ws: ["run", _template(m, template), "--eager", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+
+
+def on_small_disk(argv: Callable[["Probe", Path, Path], list], words: str, *options: str) -> Callable[["Probe", Path], str]:
+    """The command writing onto a 64 KiB tmpfs (read-only with "ro"): refused naming `words`,
+    nothing left on it."""
+
+    def run(p: Probe, ws: Path) -> str:
+        disk = ws / "disk"
+        disk.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k", *options)), "tmpfs", str(disk)], capture_output=True).returncode:
+            return "other (cannot mount a tmpfs here)"
+        try:
+            outcome = judge(p.aotc(*argv(p, ws, disk), timeout=120), words)
+            left = [f for f in disk.rglob("*") if not f.name.endswith(".lock")]
+            return "lost" if left else outcome
+        finally:
+            subprocess.run(["umount", str(disk)])
+
+    return run
+
+
+def _cache_full(p: Probe, ws: Path) -> str:
+    """A cache on a full disk: the build goes on without it (README), and the bundle runs."""
+    disk = ws / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        return "other (cannot mount a tmpfs here)"
+    try:
+        r = p.aotc("build", p.model(), "--backend", "export", *BUILD, "--cache-dir", disk / "cache", "-o", ws / "out", timeout=120)
+        if judge(r) != "silent":  # exit 0 is what the README promises here
+            return judge(r)
+        ran = p.aotc("run", ws / "out", "--prompt", "hi", "--max-new-tokens", "2")
+        return "handled" if "cannot be written" in r.out and ran.rc == 0 else "silent"
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def bad_input(cls: str, name: str, prepare: Callable[[Path, Path], list], words: str) -> Case:
+    return Case(cls, name, in_model(prepare, words))
+
+
+MIXED = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+from aotc import quant
+m = Path(sys.argv[1]) / "model.safetensors"
+t = load_file(m)
+for name in [n for n in t if n.startswith("model.layers.1.") and n.endswith("_scale_inv")]:
+    w = name.removesuffix("_scale_inv")
+    t[w] = quant.dequantize("fp8", t[w], t.pop(name), torch.float32)
+save_file(t, m, metadata={"format": "pt"})
+"""
+
+
+def _mixed(p: Probe, ws: Path) -> str:
+    """fp8 layer 0, plain layer 1 (the README allows both): builds, and runs."""
+    m = ws / "model"
+    shutil.copytree(p.model("fp8", quantize="fp8"), m)
+    assert p.python(MIXED, m).rc == 0
+    r = p.aotc("build", m, *BUILT, "-o", ws / "out")
+    if r.rc != 0:
+        return judge(r)
+    ran = p.aotc("run", ws / "out", "--prompt", "hi", "--max-new-tokens", "2")
+    return "handled" if ran.rc == 0 else judge(ran)
+
+
+def _v4_rates(rate) -> Callable[["Probe", Path], str]:
+    def run(p: Probe, ws: Path) -> str:
+        m = ws / "model"
+        shutil.copytree(p.model("v4", arch="deepseek_v4", layers=3), m)
+        cfg = json.loads((m / "config.json").read_text())
+        cfg["compress_rates"]["compressed_sparse_attention"] = rate
+        (m / "config.json").write_text(json.dumps(cfg))
+        return judge(p.aotc("build", m, *BUILT, "-o", ws / "out"), "expected a positive integer")
+
+    return run
+
+
+ROUND_TWO = [
+    Case("model folders", "fp8 and plain layers in one checkpoint", _mixed),
+    *[Case("model folders", f"V4 compress_rates {v!r}", _v4_rates(v)) for v in ("x", -4, 4.7)],
+    Case("resources", "init tiny onto a full disk", on_small_disk(lambda p, ws, d: ["init", "tiny", d / "m"], "No space left on device")),
+    Case("resources", "build -o onto a full disk", on_small_disk(lambda p, ws, d: ["build", p.model(), *BUILT, "-o", d / "b"], "No space left on device")),
+    Case("resources", "build --cache-dir on a full disk", _cache_full),
+    Case("resources", "build -o under a read-only file system", on_small_disk(lambda p, ws, d: ["build", p.model(), *BUILT, "-o", d / "b"], "Read-only file system", "ro")),
+    Case("resources", "init tiny under a read-only file system", on_small_disk(lambda p, ws, d: ["init", "tiny", d / "m"], "Read-only file system", "ro")),
+    Case("resources", "run --threads 100000", lambda p, ws: judge(p.aotc("run", p.bundle(), "--threads", "100000", "--prompt", "hi", "--max-new-tokens", "2"), "--threads 100000: expected 1 to")),
+    bad_input("resources", "num_hidden_layers 10**7", build_of(lambda m: _config(m, num_hidden_layers=10**7)), "the checkpoint has tensors for layers 0 to 1 only"),
+    bad_input("eager path", "a 20,000-word prompt", lambda m, ws: ["run", m, "--eager", "--prompt", "word " * 20000, "--max-new-tokens", "2"], "max_position_embeddings"),
+    bad_input("eager path", "--max-new-tokens 10**12", lambda m, ws: ["run", m, "--eager", "--prompt", "hi", "--max-new-tokens", str(10**12)], "max_position_embeddings"),
+    *[bad_input("templates", f"chat template {k}", chat_of(t), w) for k, t, w in (
+        ("range(10**9)", "{% for i in range(10**9) %}{% endfor %}", "Range too big"),
+        ("recursive macro", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("include", "{% include 'x.jinja' %}", "includes, imports or extends"),
+        ("import", "{% import 'x.jinja' as x %}", "includes, imports or extends"),
+        ("extends", "{% extends 'x.jinja' %}", "includes, imports or extends"),
+        ("1/0", "{{ 1/0 }}", "ZeroDivisionError"),
+        ("'a'+1", "{{ 'a' + 1 }}", "TypeError"),
+        ("'x'*4e9", "{{ 'x' * 4e9 }}", "TypeError"),
+        ("'x'*4000000000", "{{ 'x' * 4000000000 }}", "a repetition of"),
+        ("double loop 10**5 x 10**5", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "it took more than"),
+        ("a named template with a list name", [{"name": ["default"], "template": "x"}], "no chat_template"),
+        ("__class__.__mro__", "{{ ''.__class__.__mro__ }}", "unsafe"),
+        ("__subclasses__", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+        ("cycler.__init__.__globals__", "{{ cycler.__init__.__globals__ }}", "unsafe"),
+        ("joiner.__init__.__globals__", "{{ joiner.__init__.__globals__ }}", "unsafe"),
+        ("namespace.__init__.__globals__", "{{ namespace.__init__.__globals__ }}", "unsafe"),
+        ("lipsum.__globals__", "{{ lipsum.__globals__ }}", "unsafe"),
+        ("self._TemplateReference__context", "{{ self._TemplateReference__context }}", "unsafe"),
+        ("|attr('__class__')", "{{ ''|attr('__class__') }}", "unsafe"),
+        ("'{0.__class__}'.format", "{{ '{0.__class__}'.format(1) }}", "unsafe"),
+    )],
+    bad_input("templates", "chat_template.jinja not UTF-8", lambda m, ws: ["run", m, "--eager", "--chat", "--prompt", "hi"] if (m / "chat_template.jinja").write_bytes(b"\xff\xfe") else [], "not UTF-8"),
+    bad_input("templates", "chat_template.jinja linked outside", lambda m, ws: ["run", m, "--eager", "--chat", "--prompt", "hi"] if (ws / "t.jinja").write_text("{{ 1 }}") and (m / "chat_template.jinja").symlink_to(ws / "t.jinja") is None else [], "outside the model folder"),
+    *[bad_input("model folders", f"weight_map value {v!r}", build_of(lambda m, v=v: _index(m, v)), "expected the name of a shard file") for v in ("../../x.safetensors", "/etc/passwd", 5, ["a"])],
+    bad_input("model folders", "a tensor in two shards", build_of(lambda m: (shutil.copy(m / "model.safetensors", m / "a.safetensors"), shutil.move(str(m / "model.safetensors"), m / "b.safetensors"),
+              (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}})), m)[-1]), "a checkpoint holds each tensor once"),
+    bad_input("model folders", "a FIFO named model.safetensors", build_of(_fifo), "not a regular file"),
+    bad_input("model folders", "config.json linked outside", lambda m, ws: ["build", _linked(m, ws, "config.json"), *BUILT, "-o", ws / "out"], "outside the model folder"),
+    *[bad_input("model folders", f"{k} {v!r}", build_of(lambda m, k=k, v=v: _config(m, **{k: v})), w) for k, v, w in (
+        ("rope_theta", "x", "'rope_theta' must be a number"), ("rope_theta", 0, "'rope_theta' must be a finite number above 0"),
+        ("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a finite number above 0"), ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a finite number above 0"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 0}, "'factor' must be a finite number above 0"),
+        ("quantization_config", {"weight_block_size": [64, 64]}, "quantization_config.weight_block_size is [64, 64]"),
+    )],
+    bad_input("model folders", "llama3 low_freq_factor == high_freq_factor", build_of(lambda m: _config(m, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0, "original_max_position_embeddings": 64})), "high_freq_factor above low_freq_factor"),
+    bad_input("model folders", "sliding_window 0", build_of(lambda m: _config(m, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=0)), "sliding_window"),
+    bad_input("model folders", "a 5,000-digit integer", build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": ' + "9" * 5000)) and m), "not valid JSON"),
+    bad_input("model folders", "config.json nested 100,000 deep", build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text()[:-2] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}") and m), "not valid JSON"),
+    *[bad_input("hub ids", f"build {name}", lambda m, ws, name=name: ["build", name, *BUILT], "not a Hugging Face Hub id") for name in ("org/..", "org/tïny", "org/-tiny", "org/tiny.git", "org/" + "x" * 300)],
+    bad_input("hub ids", "--revision ''", lambda m, ws: ["build", "org/tiny", "--revision", "", *BUILT], "--revision"),
+]
+
+CASES = TRUST + NOTHING_LOST + ROUND_TWO
+CLASSES = ("trust", "nothing lost", "resources", "eager path", "templates", "model folders", "hub ids")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, default=ROOT, help="the aotc source tree to probe (default: this one)")
     parser.add_argument("--only", nargs="*", default=[], help="run the cases whose names start with these")
+    parser.add_argument("--classes", nargs="*", default=[], help=f"run the cases of these classes only ({', '.join(CLASSES)})")
     parser.add_argument("--json", type=Path, help="write each case's outcome here")
     args = parser.parse_args()
-    cases = [c for c in CASES if not args.only or any(c.name.startswith(o) for o in args.only)]
+    cases = [c for c in CASES if (not args.only or any(c.name.startswith(o) for o in args.only)) and (not args.classes or c.cls in args.classes)]
     results = []
     with tempfile.TemporaryDirectory(prefix="aotc-probe-") as tmp:
         probe = Probe(args.tree.resolve(), Path(tmp))
@@ -394,10 +592,10 @@ def main() -> None:
             except AssertionError as e:  # the tree could not make what the case starts from
                 outcome = f"other (setup: {str(e)[-200:]})"
             results.append({"class": case.cls, "case": case.name, "outcome": outcome, "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"{case.cls:13} {case.name:48} {outcome}", flush=True)
+            print(f"{case.cls:13} {case.name:52} {outcome}", flush=True)
             shutil.rmtree(ws, ignore_errors=True)
     print()
-    for cls in ("trust", "nothing lost"):
+    for cls in CLASSES:
         counts = Counter(r["outcome"] if r["outcome"] in ("refused", "handled", "traceback", "silent", "hang", "lost") else "other" for r in results if r["class"] == cls)
         print(f"{cls:13} " + "  ".join(f"{k} {counts[k]}" for k in ("refused", "handled", "traceback", "silent", "hang", "lost", "other")))
     if args.json:

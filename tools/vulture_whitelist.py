@@ -67,13 +67,19 @@ _.wrap_steps
 _.soft_wrap
 
 # The generic path (aotc/models/hf.py): what transformers reads of what aotc sets
-# (config._attn_implementation, tensors' _is_hf_initialized flags, a module's layer_idx,
+# (config._attn_implementation and _experts_implementation, tensors' _is_hf_initialized flags, a module's layer_idx,
 # the generated entries' __signature__, read by inspect), and the arguments its cache and
 # attention interfaces pass, which aotc's stand-ins take and ignore.
 _._attn_implementation
+_._experts_implementation
 _._is_hf_initialized
 _.layer_idx
 _.__signature__
 layer_idx
 dropout
 other
+
+# Read by jinja2 of the chat template's sandbox (aotc/chat.py): the binary operators it
+# routes through call_binop, and what an unsafe attribute becomes.
+_.intercepted_binops
+_.unsafe_undefined

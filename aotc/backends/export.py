@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format import ArtifactRecord
+from ..format import ArtifactRecord, write_atomic
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
 from .export_archive import WEIGHTS_MEMBER, check_archive, program_inputs, program_weights
 
@@ -96,7 +96,11 @@ class ExportBackend(Backend):
         return f"torch-{torch.__version__}"
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
-        save_program(program, str(out_dir / PROGRAM), specs.weight_paths)
+        # Serialized in memory, written by Python: torch's file writer aborts the process on a
+        # full disk, where a Python write raises an OSError that the build reports.
+        buf = io.BytesIO()
+        save_program(program, buf, specs.weight_paths)
+        write_atomic(out_dir / PROGRAM, buf.getvalue())
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:

@@ -112,7 +112,10 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
         manifest = assemble_manifest(p, built)
         write_manifest(tmp, manifest)
     if recipe is not None:
-        save_recipe(cache, recipe, manifest)
+        try:
+            save_recipe(cache, recipe, manifest)
+        except OSError as e:  # the bundle is whole; only the next build's shortcut is missing
+            notes.append(f"the compile cache cannot be written ({e.filename or cache.root}: {e.strerror or e}); this build's recipe was not stored")
     artifacts = [built[k.id] for k in keyed]
     return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None, notes)
 

@@ -180,12 +180,21 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
             if entry is None and remote is not None:
                 entry, source = cache.put(key, lambda tmp: remote.fetch(key, tmp)), "remote"
             if entry is None:
-                entry, source = cache.put(key, lambda tmp: compile_graph(backend, item, tmp)), "compiled"
-                if remote is not None:
+                try:
+                    entry, source = cache.put(key, lambda tmp: compile_graph(backend, item, tmp)), "compiled"
+                except OSError as e:  # a full or read-only cache disk: build without it, as when it is found so at the start
+                    if out_dir is None:
+                        raise
+                    notes.append(f"the compile cache cannot be written ({e.filename or cache.root}: {e.strerror or e}); this artifact was built without it")
+                    src = out_dir / rel
+                    src.mkdir(parents=True)
+                    record, source = compile_graph(backend, item, src), "uncached"
+                if entry is not None and remote is not None:
                     remote.store(key, entry.dir, entry.record)
-        record, src = entry.record, entry.dir
-        if out_dir is not None:
-            copy_files(src, out_dir / rel, record.files)
+        if entry is not None:
+            record, src = entry.record, entry.dir
+            if out_dir is not None:
+                copy_files(src, out_dir / rel, record.files)
     size = sum((src / name).stat().st_size for name in record.files)
     fields = {f: getattr(record, f) for f in CompiledRecord.__dataclass_fields__}
     if not isinstance(record.extra, backend.extra_type):  # read back from a cache record: JSON data

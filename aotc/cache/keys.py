@@ -56,12 +56,17 @@ def build_key(keys: list[tuple]) -> str:
 
 
 def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend: "Backend") -> str:
-    """config.json, the build options, the backend, torch and Python, and the
-    source of aotc and of the model's package."""
+    """config.json, the checkpoint's tensors (names, shapes, dtypes: a re-quantized
+    checkpoint with the same config.json makes other graphs), the build options, the
+    backend, torch and Python, and the source of aotc and of the model's package."""
+    from ..models.checkpoint import Checkpoint
+
+    tensors = sorted((t.name, t.shape, str(t.dtype)) for t in Checkpoint(options.model_dir).tensors.values())
     payload = {
         "format": FORMAT_VERSION,
         "aotc": __version__,
         "config": config,
+        "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest(),
         "batch": options.batch_buckets,
         "chunk": options.chunk_buckets,
         "max_seq": options.max_seq,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Container
+from typing import Callable, Collection, Container
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from ..errors import ConfigError, WeightsError
 from ..format import KvCacheRecord
 from ..kvcache import Fp8Rows, RowLayout
 from ..layout import Stored, keep_stored, stored_at
-from .checkpoint import Checkpoint, as_stored, stored_dtype, stored_form
+from .checkpoint import Checkpoint, Merged, as_stored, stored_dtype, stored_form
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
 
@@ -65,6 +66,12 @@ class CausalLM(nn.Module):
         """The checkpoint tensor name of a parameter path (default: the same), or
         candidate names in order (checkpoints of one model come in several layouts)."""
         return param
+
+    def checkpoint_layout(self, names: Collection[str]) -> dict[str, str | Merged]:
+        """For a checkpoint of the tensors `names`: the parameters it keeps under none of
+        checkpoint_name's candidates, {param: its tensor's name, or the Merged tensors it is
+        made of} (transformers' conversion mapping, on the generic path)."""
+        return {}
 
     def tied_parameters(self) -> dict[str, str]:
         """Parameters that share another's tensor: {param: source param}."""
@@ -172,6 +179,7 @@ class LoadedModel:
 def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None, modeling: str = "auto") -> tuple[dict, Architecture, object]:
     config_dict = read_config(model_dir)
     source = Path(model_dir) / "config.json"
+    _check_quantization(config_dict, source)
     arch = resolve(config_dict, source, modeling)
     config = arch.model_class.config_class.from_hf(ConfigReader(config_dict, source))
     if kv_cache is not None:
@@ -182,6 +190,37 @@ def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None, modelin
             )
         config = dataclasses.replace(config, kv_cache=kv_cache)
     return config_dict, arch, config
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # model.layers.3.*, transformer.h.3.*
+
+
+def _check_layer_count(config, checkpoint: Checkpoint) -> None:
+    """Before any module is built (a config's layer count may be 10**7): the checkpoint
+    must hold tensors for every layer config.json names."""
+    n = getattr(config, "num_hidden_layers", None)
+    found = {int(m.group(1)) for name in checkpoint.tensors for m in [_LAYER_INDEX.search(name)] if m}
+    if isinstance(n, int) and found and n > max(found) + 1:
+        raise WeightsError(
+            f"{checkpoint.dir}: config.json's num_hidden_layers is {n}, but the checkpoint has tensors for layers 0 to "
+            f"{max(found)} only; the config and the weights do not belong together"
+        )
+
+
+def _check_quantization(config: dict, source: Path) -> None:
+    """A quantization_config must say what aotc reads: fp8 scales per 128 x 128 block (the
+    scales' shapes are checked against that block, which the config must not contradict)."""
+    q = config.get("quantization_config")
+    if q is None:
+        return
+    if not isinstance(q, dict):
+        raise ConfigError(f"{source}: field 'quantization_config' is {type(q).__name__}; expected an object")
+    block = q.get("weight_block_size")
+    if block is not None and block != list(quant.FP8_BLOCK):
+        raise ConfigError(
+            f"{source}: quantization_config.weight_block_size is {block!r}; aotc reads fp8 weights with a scale per "
+            f"{quant.FP8_BLOCK[0]}x{quant.FP8_BLOCK[1]} block. Re-quantize with that block, or dequantize the checkpoint"
+        )
 
 
 def load_model(
@@ -208,11 +247,12 @@ def load_model(
     model_dir = Path(model_dir)
     config_dict, arch, config = parse_config(model_dir, kv_cache, modeling)
     checkpoint = Checkpoint(model_dir)
+    _check_layer_count(config, checkpoint)
     if not weights:
         fake_mode = fake_tensor_mode()
         with fake_mode:
             model = arch.model_class(config)
-        forms = _check_checkpoint(model, checkpoint)
+        forms = _check_checkpoint(model, checkpoint, _sources(model, checkpoint))
         expected = checkpoint_tensors(model)
         with fake_mode:
             for param, form in forms.items():
@@ -258,35 +298,61 @@ def checkpoint_names(model: CausalLM, param: str) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
-def _names(model: CausalLM, checkpoint: Checkpoint, param: str) -> str:
-    """The checkpoint's name for a parameter: the first of the model's candidates it has."""
-    candidates = checkpoint_names(model, param)
-    return next((c for c in candidates if c in checkpoint.tensors), candidates[0])
+def _sources(model: CausalLM, checkpoint: Checkpoint) -> dict[str, str | Merged]:
+    """Where the checkpoint keeps each parameter: the first of the model's candidate names
+    it has, or what the model's checkpoint_layout says."""
+    layout = model.checkpoint_layout(checkpoint.tensors.keys())
+    out = {}
+    for param in checkpoint_tensors(model):
+        candidates = checkpoint_names(model, param)
+        found = next((c for c in candidates if c in checkpoint.tensors), None)
+        out[param] = found or layout.get(param, candidates[0])
+    return out
 
 
-def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint) -> dict:
+def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) -> dict:
     """Check every tensor's shape from the headers; return the stored forms by parameter."""
     forms = {}
     for name, p in checkpoint_tensors(model).items():
-        ckpt_name = _names(model, checkpoint, name)
-        form = stored_form(checkpoint, ckpt_name, tuple(p.shape))
-        if form is None:
-            info = checkpoint.check(ckpt_name, tuple(p.shape))
-            if info.dtype.is_floating_point != p.dtype.is_floating_point:
+        source = sources[name]
+        if isinstance(source, Merged):
+            low = next((n for n in source.names if stored_form(checkpoint, n, checkpoint.info(n).shape) is not None), None)
+            if low is not None:
                 raise WeightsError(
-                    f"{info.file}: tensor {ckpt_name!r} is {str(info.dtype).removeprefix('torch.')}, but the model's "
-                    f"{name} is {str(p.dtype).removeprefix('torch.')}; re-save the checkpoint with {'floating-point' if p.dtype.is_floating_point else 'integer'} weights"
+                    f"{checkpoint.info(low).file}: {name} is merged from per-expert tensors, and {low!r} is stored in low precision; "
+                    "aotc merges full-precision expert tensors only: dequantize the checkpoint, or save it with the experts fused"
                 )
+            shape, dtype = source.info(checkpoint, name)
+            if shape != tuple(p.shape):
+                raise WeightsError(
+                    f"{checkpoint.info(source.parts[0][0]).file}: {name} is merged from {len(source.names)} tensors "
+                    f"({', '.join(repr(part[0]) for part in source.parts)}, ...) into shape {list(shape)}, expected {list(p.shape)} "
+                    "from config.json; the config and the weights do not belong together"
+                )
+            info = checkpoint.info(source.parts[0][0])
+            ckpt_name = source.parts[0][0]
         else:
-            forms[name] = form
+            ckpt_name = source
+            form = stored_form(checkpoint, ckpt_name, tuple(p.shape))
+            if form is not None:
+                forms[name] = form
+                continue
+            info = checkpoint.check(ckpt_name, tuple(p.shape))
+            dtype = info.dtype
+        if dtype.is_floating_point != p.dtype.is_floating_point:
+            raise WeightsError(
+                f"{info.file}: tensor {ckpt_name!r} is {str(dtype).removeprefix('torch.')}, but the model's "
+                f"{name} is {str(p.dtype).removeprefix('torch.')}; re-save the checkpoint with {'floating-point' if p.dtype.is_floating_point else 'integer'} weights"
+            )
     return forms
 
 
 def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Container[str]) -> None:
     expected = checkpoint_tensors(model)
-    names = {param: _names(model, checkpoint, param) for param in expected}
-    forms = _check_checkpoint(model, checkpoint)
-    tensors = checkpoint.load(list(names.values()) + [f.scale for f in forms.values()])
+    sources = _sources(model, checkpoint)
+    forms = _check_checkpoint(model, checkpoint, sources)
+    names = [n for s in sources.values() for n in (s.names if isinstance(s, Merged) else [s])]
+    tensors = checkpoint.load(names + [f.scale for f in forms.values()])
     state = {}
     for param, p in expected.items():
         form = forms.get(param)
@@ -302,8 +368,16 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
             else:
                 state[param] = quant.dequantize(form.format, values, scale, p.dtype)
             continue
-        state[param] = tensors[names[param]].to(p.dtype)  # dtype kinds checked from the headers
-    _assign(model, state, lambda param: f"{checkpoint.info(names[param]).file}: tensor {names[param]!r}")
+        source = sources[param]
+        # dtype kinds checked from the headers
+        state[param] = (source.apply(tensors) if isinstance(source, Merged) else tensors[source]).to(p.dtype)
+
+    def describe(param: str) -> str:
+        source = sources[param]
+        name = source.parts[0][0] if isinstance(source, Merged) else source
+        return f"{checkpoint.info(name).file}: tensor {name!r}" + (f" (one of the {len(source.names)} merged into {param})" if isinstance(source, Merged) else "")
+
+    _assign(model, state, describe)
 
 
 def _assign(model: CausalLM, state: dict[str, torch.Tensor], describe: Callable[[str], str]) -> None:

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from .. import quant
 from ..errors import WeightsError
+from .config import model_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -43,9 +44,13 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._files():
+            if not file.is_file():  # a FIFO or a device would block or never end; a dangling link
+                raise WeightsError(f"{file}: not a regular file; the weights must be safetensors files")
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
+                        if name in self.tensors:
+                            raise WeightsError(f"{file}: tensor {name!r} is in {self.tensors[name].file.name} too; a checkpoint holds each tensor once")
                         sl = f.get_slice(name)
                         dtype = _DTYPES.get(sl.get_dtype())
                         if dtype is None:
@@ -62,18 +67,23 @@ class Checkpoint:
         index = self.dir / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(model_file(self.dir, INDEX).read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise WeightsError(f"{index}: expected a JSON object with a 'weight_map' ({e})") from None
-            files = sorted({self.dir / f for f in weight_map.values()})
+            if not isinstance(weight_map, dict):
+                raise WeightsError(f"{index}: 'weight_map' is {type(weight_map).__name__}; expected an object of tensor name -> shard file name")
+            bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or Path(v).name != v or v in ("", ".", "..")), None)
+            if bad is not None:
+                raise WeightsError(f"{index}: weight_map[{bad[0]!r}] is {bad[1]!r}; expected the name of a shard file in {self.dir}")
+            files = sorted({model_file(self.dir, f) for f in weight_map.values()})
             for f in files:
                 if not f.is_file():
                     raise WeightsError(f"{index} names shard {f.name}, which is missing from {self.dir}")
             return files
-        single = self.dir / SINGLE
-        if single.is_file():
+        single = model_file(self.dir, SINGLE)
+        if single.exists():
             return [single]
-        found = sorted(self.dir.glob("*.safetensors"))
+        found = sorted(model_file(self.dir, f.name) for f in self.dir.glob("*.safetensors"))
         if found:
             return found
         raise WeightsError(f"{self.dir}: no {SINGLE}, {INDEX} or *.safetensors; the weights must be in safetensors format")
@@ -103,6 +113,47 @@ class Checkpoint:
                 for name in file_names:
                     out[name] = f.get_tensor(name)
         return out
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A parameter that the checkpoint stores as several tensors, as transformers' MoE
+    models' fused experts are (one tensor per expert, gate and up apart): each part's
+    tensors stacked along `stack_dim`, then the parts concatenated along `cat_dim`."""
+
+    parts: tuple[tuple[str, ...], ...]  # checkpoint tensor names, per part, in order
+    stack_dim: int = 0
+    cat_dim: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [n for part in self.parts for n in part]
+
+    def apply(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        stacked = [torch.stack([tensors[n] for n in part], dim=self.stack_dim) for part in self.parts]
+        return stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=self.cat_dim)
+
+    def info(self, checkpoint: "Checkpoint", param: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The merged shape and dtype of `param`, from the headers: as many tensors in each
+        part, and every tensor of a part alike."""
+        infos = {n: checkpoint.info(n) for n in self.names}
+        if len({len(part) for part in self.parts}) > 1:
+            counts = " and ".join(f"{len(part)}{' tensors' if i == 0 else ''} like {part[0]!r}" for i, part in enumerate(self.parts))
+            raise WeightsError(f"{infos[self.parts[0][0]].file}: {param} is merged from {counts}; the checkpoint lacks some of them")
+        for part in self.parts:
+            first = infos[part[0]]
+            for n in part[1:]:
+                if (infos[n].shape, infos[n].dtype) != (first.shape, first.dtype):
+                    raise WeightsError(
+                        f"{infos[n].file}: tensor {n!r} is {list(infos[n].shape)} {infos[n].dtype}, and {part[0]!r} is "
+                        f"{list(first.shape)} {first.dtype}; the tensors merged into one parameter must be alike"
+                    )
+        metas = {n: torch.empty(i.shape, dtype=i.dtype, device="meta") for n, i in infos.items()}
+        try:
+            merged = self.apply(metas)
+        except RuntimeError as e:  # parts that do not concatenate
+            raise WeightsError(f"{infos[self.parts[0][0]].file}: {param} cannot be merged from {', '.join(repr(p[0]) for p in self.parts)}, ... ({e})") from None
+        return tuple(merged.shape), merged.dtype
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,8 +16,26 @@ _MISSING = object()
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
 
 
+def model_file(model_dir: Path, name: str) -> Path:
+    """The file `name` of a model folder, where it may be read: in the folder, or, where
+    it is a link, to a file inside the folder or, in a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<commit>/`), inside that repo's `blobs/`. A link that
+    leads anywhere else is refused: a model folder reads no file outside itself."""
+    path = Path(model_dir) / name
+    if not path.is_symlink():
+        return path
+    target = path.resolve()
+    folder = Path(model_dir).resolve()
+    inside = [folder]
+    if folder.parent.name == "snapshots":  # the hub cache: snapshots link into the repo's blobs/
+        inside.append(folder.parent.parent / "blobs")
+    if not any(target.is_relative_to(p) for p in inside):
+        raise ConfigError(f"{path}: a link to {target}, outside the model folder; copy the file into the folder instead")
+    return path
+
+
 def read_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
+    path = model_file(model_dir, "config.json")
     if not Path(model_dir).is_dir():
         raise ConfigError(f"{model_dir}: not a folder; expected a model folder with config.json and *.safetensors")
     if not path.is_file():
@@ -27,9 +46,9 @@ def read_config(model_dir: Path) -> dict:
 def read_json_object(path: Path) -> dict:
     """A JSON file of a model folder that holds one object (config.json, generation_config.json, ...)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e}); fix or re-export the file") from None
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer past Python's 4300 digits, deep nesting
+        raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {e}); fix or re-export the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -68,6 +87,15 @@ class ConfigReader:
                 f"{self.source}: field {key!r} must be {_TYPE_NAMES.get(typ, typ.__name__)}, "
                 f"got {value!r} ({type(value).__name__})"
             )
+        return value
+
+    def positive_number(self, key: str, default: Any = _MISSING, where: dict | None = None) -> float:
+        """A finite number above 0 (an epsilon, a rope base or factor), from the config or,
+        where given, from a nested object of it (`rope_parameters`)."""
+        source = self if where is None else ConfigReader(where, self.source)
+        value = source.get(key, float, default)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{self.source}: field {key!r} must be a finite number above 0, got {value}")
         return value
 
     def positive(self, key: str, default: Any = _MISSING) -> int:

@@ -120,7 +120,10 @@ class DeepseekV4Config(ModelConfig):
             bad = [t for t in types if t not in allowed]
             if bad:
                 raise ConfigError(f"{cfg.source}: field {name!r} holds {bad[0]!r}; expected one of {', '.join(allowed)}")
-        rates = cfg.get("compress_rates", dict, None) or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(cfg.get("compress_rates", dict, None) or {})}
+        for kind, rate in rates.items():  # a block length in positions: a whole number above 0
+            if kind in LAYER_TYPES and (not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0):
+                raise ConfigError(f"{cfg.source}: compress_rates[{kind!r}] is {rate!r}; expected a positive integer (positions per compressed entry)")
         scoring = cfg.get("scoring_func", str, "sqrtsoftplus")
         if scoring not in SCORING:
             raise ConfigError(f"{cfg.source}: field 'scoring_func' is {scoring!r}; expected one of {', '.join(SCORING)}")
@@ -144,8 +147,8 @@ class DeepseekV4Config(ModelConfig):
             max_position_embeddings=cfg.positive("max_position_embeddings", 4096),
             layer_types=tuple(layer_types),
             mlp_layer_types=tuple(mlp_types),
-            compress_rate_csa=int(rates.get("compressed_sparse_attention", 4)),
-            compress_rate_hca=int(rates.get("heavily_compressed_attention", 128)),
+            compress_rate_csa=rates["compressed_sparse_attention"],
+            compress_rate_hca=rates["heavily_compressed_attention"],
             rope=rope,
             rope_dim=int(head_dim * partial),
             hc_mult=cfg.positive("hc_mult", 4),
@@ -158,7 +161,7 @@ class DeepseekV4Config(ModelConfig):
             index_n_heads=cfg.positive("index_n_heads"),
             index_head_dim=cfg.positive("index_head_dim"),
             index_topk=cfg.positive("index_topk"),
-            rms_norm_eps=cfg.get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=cfg.positive_number("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", bool, False),
             dtype=read_dtype(cfg),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ()),
@@ -173,8 +176,8 @@ def _read_rope(cfg: ConfigReader, partial: float) -> dict:
         main, compress = dict(params["main"]), dict(params["compress"])
     else:
         yarn = cfg.get("rope_scaling", dict, None) or {k: v for k, v in params.items() if k not in ("main", "compress")}
-        main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", float, 10000.0)}
-        compress = {**yarn, "rope_theta": cfg.get("compress_rope_theta", float, 160000.0)}
+        main = {"rope_type": "default", "rope_theta": cfg.positive_number("rope_theta", 10000.0)}
+        compress = {**yarn, "rope_theta": cfg.positive_number("compress_rope_theta", 160000.0)}
     out = {}
     for kind, p in (("main", main), ("compress", compress)):
         rope_type = p.get("rope_type", p.get("type", "default"))
@@ -182,9 +185,10 @@ def _read_rope(cfg: ConfigReader, partial: float) -> dict:
             raise ConfigError(f"{cfg.source}: rope_parameters.{kind}.rope_type is {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
         if rope_type == "yarn":
             for key in ("factor", "original_max_position_embeddings"):
-                if not isinstance(p.get(key), (int, float)):
+                if not isinstance(p.get(key), (int, float)) or isinstance(p.get(key), bool):
                     raise ConfigError(f"{cfg.source}: yarn rope ({kind}) needs a number in field {key!r}, got {p.get(key)!r}")
-        out[kind] = {**p, "rope_type": rope_type, "rope_theta": float(p.get("rope_theta", 10000.0)), "partial_rotary_factor": partial}
+                cfg.positive_number(key, where=p)
+        out[kind] = {**p, "rope_type": rope_type, "rope_theta": cfg.positive_number("rope_theta", 10000.0, where=p), "partial_rotary_factor": partial}
     return out
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from .config import read_json_object
+from .config import model_file, read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -38,7 +38,7 @@ def _eos(value, source: Path) -> tuple[int, ...] | None:
 def generation_defaults(model_dir: Path, config: dict) -> GenerationDefaults:
     """Stop tokens: generation_config.json's eos_token_id, else config.json's. Length:
     generation_config.json's max_new_tokens, else aotc's default."""
-    path = Path(model_dir) / GENERATION_CONFIG
+    path = model_file(model_dir, GENERATION_CONFIG)
     gen = read_json_object(path) if path.is_file() else {}
     eos, eos_from = _eos(gen.get("eos_token_id"), path), GENERATION_CONFIG
     if eos is None:

@@ -28,6 +28,17 @@ class (a variant of it, where layers differ: sliding or full, NoPE, a scale):
   architecture.
 - **The head.** The LM head, an `nn.Linear`, becomes an entry too (`project`);
   the final norm, a softcap or a logits scale stay in the model's forward.
+- **Experts.** MoE experts that use transformers' ExpertsInterface run the
+  "aotc" experts function eagerly (each chosen expert on its tokens) and, in
+  graphs, a compiled form (`_experts_class`): each token's chosen experts
+  gathered from the fused weights at decode, every expert on its tokens at
+  prefill. Checkpoints that keep one tensor per expert are merged into the
+  fused parameters as transformers' conversion mapping says
+  (`checkpoint_layout`).
+- **Refusals.** What the path cannot take (recurrent or convolution state,
+  chunked attention, KV shared across layers, masks other than causal and
+  sliding, encoder-decoders, a cache asked for more than `update`) is refused
+  from the config or the contract learning run, before anything is traced.
 """
 
 from __future__ import annotations
@@ -43,13 +54,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..entry import entry, freezer
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightsError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
+from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
 
 NAME = "transformers"
 ATTENTION = "aotc"
+EXPERTS = "aotc"  # the ExpertsInterface function
 # config.json fields that say nothing about the graphs: left out of the config the bundle
 # compares (eos ids are ModelConfig's runtime-only field).
 _NOT_COMPARED = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype")
@@ -100,6 +113,12 @@ class TransformersConfig(ModelConfig):
             raise ConfigError(f"{cfg.source}: field 'architectures' is {names!r}; aotc's generic path runs a causal LM ({default} for {model_type})")
         hf = {k: v for k, v in cfg.config.items() if k not in _NOT_COMPARED}
         hf_config = _hf_config(model_type, hf, str(cfg.source))
+        if getattr(type(hf_config), "is_encoder_decoder", False) is True:  # the family's default, not this config's
+            raise ConfigError(
+                f"{cfg.source}: model_type {model_type!r} is an encoder-decoder family; its {architecture} is the decoder, with "
+                "cross-attention to an encoder. aotc compiles decoder-only causal LMs"
+            )
+        _check_layer_kinds(hf_config, cfg.source)
         eos = cfg.config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
@@ -114,6 +133,25 @@ class TransformersConfig(ModelConfig):
         )
 
 
+def _check_layer_kinds(hf_config, source) -> None:
+    """Refuse, from the config alone, layers that are no attention with a KV cache of their own."""
+    for i, kind in enumerate(getattr(hf_config, "layer_types", None) or ()):
+        if kind not in ("full_attention", "sliding_attention"):
+            what = _LAYER_KINDS.get(kind, "no attention layer aotc knows")
+            raise ConfigError(
+                f"{source}: layer_types[{i}] is {kind!r}, {what}; aotc's generic path runs full and sliding attention layers, "
+                "each with a KV cache of its own"
+            )
+    shared = getattr(hf_config, "num_kv_shared_layers", None)
+    if shared:
+        raise ConfigError(
+            f"{source}: field 'num_kv_shared_layers' is {shared}: the last {shared} layers read the keys and values of earlier "
+            "layers (KV state shared across layers); aotc's generic path runs layers with a KV cache each"
+        )
+    if getattr(hf_config, "attention_chunk_size", None):
+        raise ConfigError(f"{source}: field 'attention_chunk_size' is set: chunked attention; aotc's generic path runs full and sliding attention")
+
+
 def _hf_config(model_type: str, fields: dict, source: str):
     from transformers.models.auto.configuration_auto import AutoConfig
 
@@ -122,6 +160,7 @@ def _hf_config(model_type: str, fields: dict, source: str):
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{source}: transformers refuses this config ({type(e).__name__}: {e}); fix the field it names") from None
     config._attn_implementation = ATTENTION
+    config._experts_implementation = EXPERTS  # read by experts classes that use transformers' ExpertsInterface
     return config
 
 
@@ -191,23 +230,27 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise ConfigError(f"{type(module).__qualname__} was given an attention mask; aotc's generic path masks by position")
     b, heads, t, d = query.shape
     kv_heads, s = key.shape[1], key.shape[2]
+    rep = heads // kv_heads
     scale = d**-0.5 if scaling is None else scaling
-    q = query.view(b, kv_heads, heads // kv_heads, t, d)
-    scores = (q @ key[:, :, None].transpose(-1, -2)).float() * scale  # [B, kv, rep, T, S]
+    # A KV head's query heads and tokens as the rows of one matmul against its keys, as
+    # aotc's llama attends (and rewrite_skinny_matmuls makes decode's few rows read the
+    # cache once per KV head): [B, kv, rep * T, d] @ [B, kv, d, S].
+    q = query.reshape(b, kv_heads, rep * t, d)
+    scores = (q @ key.transpose(-1, -2)).float() * scale  # [B, kv, rep * T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     k_pos = torch.arange(s, device=query.device)
-    q_pos = positions[:, None, None, :, None]
+    q_pos = positions[:, None, None, :].expand(b, 1, rep, t).reshape(b, 1, rep * t, 1)
     seen = k_pos <= q_pos
     if sliding_window:
         seen = seen & (k_pos > q_pos - sliding_window)
     scores = scores.masked_fill(~seen, float("-inf"))
     if s_aux is not None:  # attention sinks: a per-head logit that takes probability but gives no value
-        sinks = s_aux.float().view(1, kv_heads, heads // kv_heads, 1, 1).expand(b, -1, -1, t, 1)
+        sinks = s_aux.float().view(1, kv_heads, rep, 1).expand(b, -1, -1, t).reshape(b, kv_heads, rep * t, 1)
         probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = probs.to(value.dtype) @ value[:, :, None]  # [B, kv, rep, T, d]
+    out = probs.to(value.dtype) @ value  # [B, kv, rep * T, d]
     return out.reshape(b, heads, t, value.shape[-1]).transpose(1, 2), None
 
 
@@ -215,6 +258,117 @@ def _register_attention() -> None:
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _attention)
+
+
+def _experts(module, hidden_states, top_k_index, top_k_weights):
+    """transformers' ExpertsInterface, as aotc runs it eagerly: hidden_states [N, H],
+    each token's k chosen experts and their weights [N, k]; returns [N, H]. Each expert
+    that a token chose runs once, on the tokens routed to it, as transformers' own eager
+    loop does. A token that picks one expert in two slots gets it weighted by both, as
+    transformers counts it."""
+    if module._is_expert_parallel:
+        raise ConfigError(f"{type(module).__qualname__} is expert-parallel; aotc's generic path runs every expert in one process")
+    hit = top_k_index.unique().tolist()  # eager only: the compiled form loops over every expert
+    return _each_expert(module, hidden_states, top_k_index, top_k_weights, hit).to(hidden_states.dtype)
+
+
+def _expert_linear(module, x, weight, bias):
+    # x [..., in] by one expert's weight [out, in] ([in, out] where transposed): a matmul;
+    # by each token's chosen experts' [..., out, in]: a multiply and sum, which Inductor
+    # fuses with the indexing into one reduction (no copy of the chosen matrices).
+    if weight.dim() == 2:
+        out = x @ weight if module.is_transposed else F.linear(x, weight)
+    else:
+        out = (x.unsqueeze(-1) * weight).sum(-2) if module.is_transposed else (x.unsqueeze(-2) * weight).sum(-1)
+    return out if bias is None else out + bias
+
+
+def _expert_mlp(module, x, index):
+    """The experts' MLP on x [..., H], expert `index` (an int, or a tensor of x's leading
+    shape) of each: up (with the gate), activation, down, the optional post norm."""
+    up, up_bias = (module.gate_up_proj, "gate_up_proj_bias") if module.has_gate else (module.up_proj, "up_proj_bias")
+    bias = (lambda name: getattr(module, name)[index]) if module.has_bias else (lambda name: None)
+    h = _expert_linear(module, x, up[index], bias(up_bias))
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    h = _expert_linear(module, h, module.down_proj[index], bias("down_proj_bias"))
+    return module.post_expert_norm(h) if module.has_post_expert_norm else h
+
+
+def _gathered_experts(module, x, chosen, weights):
+    h = _expert_mlp(module, x[:, None, :], chosen)  # [N, k, H]
+    return (h * weights[..., None].to(h.dtype)).sum(1)
+
+
+def _each_expert(module, x, chosen, weights, experts):
+    out = torch.zeros_like(x)
+    for e in experts:
+        picked = chosen == e  # [N, k]
+        (rows,) = picked.any(dim=-1).nonzero(as_tuple=True)  # the tokens routed to expert e
+        torch._check(rows.shape[0] <= x.shape[0])  # one row per token, whatever the picks: the static bound
+        w = (weights * picked).sum(dim=-1)  # [N]: the sum of its slots' weights, as two slots count twice
+        out.index_add_(0, rows, (_expert_mlp(module, x[rows], e) * w[rows, None].to(x.dtype)).to(out.dtype))
+    return out
+
+
+def _is_experts(module: nn.Module) -> bool:
+    # What transformers' use_experts_implementation sets on the experts modules it decorates.
+    return all(hasattr(module, a) for a in ("num_experts", "has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel"))
+
+
+@functools.cache
+def _experts_class(base: type) -> type:
+    def compiled_forward(self, hidden_states, top_k_index, top_k_weights, derived):
+        """Each token's chosen experts gathered from the fused weights (a multiply and sum Inductor fuses, reading only the chosen matrices), where a step makes fewer choices than there are experts; else each expert on its tokens (nonzero, which strip_data_dependent makes static)."""
+        if top_k_index.numel() < self.num_experts:
+            out = _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
+        else:
+            out = _each_expert(self, hidden_states, top_k_index, top_k_weights, range(self.num_experts))
+        return out.to(hidden_states.dtype)
+
+    compiled_forward.__qualname__ = f"{base.__name__}.compiled_forward"
+    return type(base.__name__, (base,), {"compiled_forward": compiled_forward, "__module__": __name__})
+
+
+def _register_experts() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS, _experts)
+
+
+def _conversion_layout(hf: nn.Module, names) -> dict:
+    """{param: checkpoint name or Merged} for the checkpoint tensors `names` that
+    transformers' conversion mapping renames or merges (transformers' own renaming of a
+    key, then at most one converter, as its loader applies them)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming, apply_renamings, dot_natural_key
+
+    transforms = get_model_conversion_mapping(hf)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    layout: dict = {}
+    merges: dict[str, tuple] = {}  # target -> (converter, {source pattern: names})
+    for name in sorted(names, key=dot_natural_key):  # transformers' order: experts 0, 1, ..., 10
+        renamed = apply_renamings(name, renamings)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                merges.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(name)
+                break
+        else:
+            if renamed != name:
+                layout[renamed] = name
+    for target, (converter, by_pattern) in merges.items():
+        ops = converter.operations
+        kinds = [type(op) for op in ops]
+        if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+            raise WeightsError(
+                f"config.json: transformers makes {target} of the checkpoint's {', '.join(converter.source_patterns)} with "
+                f"{', '.join(k.__name__ for k in kinds)}; aotc's generic path merges per-expert tensors (MergeModulelist, "
+                "then Concatenate) only: save the checkpoint with transformers' own layout"
+            )
+        parts = tuple(tuple(by_pattern[p]) for p in converter.source_patterns if p in by_pattern)
+        layout[target] = Merged(parts, stack_dim=ops[0].dim, cat_dim=ops[1].dim if len(ops) > 1 else 0)
+    return layout
 
 
 # -- a step: what the model's loop hands each layer -----------------------------
@@ -237,6 +391,7 @@ class _Step:
 class _Call:
     """What the contract learning run saw of one layer."""
 
+    layer: str  # its class
     tensors: dict  # the layer's tensor arguments (and rotary's pair) by name: their shapes
     writes: list  # (key shape, value shape, dtype) of each cache update
     windows: list  # the sliding window given to attention
@@ -244,14 +399,32 @@ class _Call:
 
 class _Recorder:
     """transformers' cache, in the run that learns the layers' contract: records each
-    update, and returns the step's own keys and values (no past)."""
+    update, and returns the step's own keys and values (no past). Anything else asked of
+    it is recorded and missing: the contract learning run refuses a model that needs it."""
 
     def __init__(self):
         self.calls: list[_Call] = []
+        self.asked: list[tuple[str, str]] = []  # (where, attribute)
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.calls[-1].writes.append((tuple(key_states.shape), tuple(value_states.shape), key_states.dtype))
         return key_states, value_states
+
+    def __getattr__(self, name):
+        if not name.startswith("__"):
+            where = f"layer {len(self.calls) - 1} ({self.calls[-1].layer})" if self.calls else "its forward (before any layer)"
+            self.asked.append((where, name))  # a getattr with a default asks too: only a failure refuses
+        raise AttributeError(name)
+
+
+# layer_types that are no attention with a KV cache of its own, and what they are
+# (transformers 5.24 names every hybrid's recurrent layers "linear_attention").
+_LAYER_KINDS = {
+    "linear_attention": "a linear-attention or state-space layer (Gated DeltaNet, Mamba, ...), which keeps recurrent state",
+    "conv": "a short convolution, which keeps its last inputs", "chunked_attention": "chunked attention",
+}  # fmt: skip
+# The attention masks transformers builds that aotc's attention reproduces by position.
+_MASKS = ("create_causal_mask", "create_sliding_window_causal_mask")
 
 
 @dataclass(frozen=True)
@@ -279,6 +452,7 @@ class TransformersCausalLM(CausalLM):
     def __init__(self, config: TransformersConfig):
         super().__init__()
         _register_attention()
+        _register_experts()
         _register_config_freezer()
         self.config = config
         hf_config = _hf_config(config.model_type, config.hf, "config.json")
@@ -298,6 +472,9 @@ class TransformersCausalLM(CausalLM):
         for name, child in hf.named_children():
             self.add_module(name, child)
         self.layer_modules = _decoder_layers(hf, config)
+        for module in hf.modules():  # experts that run through the ExpertsInterface: compiled, gathered
+            if _is_experts(module):
+                module.__class__ = _experts_class(type(module))
         self.contract = _learn(hf, self.layer_modules, config)
         rows = _fp8_rows(config, self.contract)
         code = code_identity(config.model_type, config.architecture)
@@ -329,6 +506,13 @@ class TransformersCausalLM(CausalLM):
         # while loading replaces the tied Parameter objects.
         names = dict(self.named_parameters(remove_duplicate=False))
         return {k: v for k, v in (self.hf.all_tied_weights_keys or {}).items() if k in names and v in names}
+
+    def checkpoint_layout(self, names):
+        """Parameters the checkpoint keeps as transformers' conversion mapping describes
+        them for this model: under an older name (mixtral's block_sparse_moe), or as
+        per-expert tensors that it stacks into its fused experts (and concatenates, gate
+        and up). Checkpoints transformers saves are of that layout."""
+        return _conversion_layout(self.hf, names)
 
     def init_buffers(self) -> None:
         # Non-persistent buffers (rotary's inverse frequencies, Gemma's embedding scale) are
@@ -423,7 +607,12 @@ def _decoder_layers(hf: nn.Module, config: TransformersConfig) -> list[nn.Module
     """The decoder layers, in order: the modules of the classes transformers keeps whole
     when it splits a model across devices (_no_split_modules)."""
     names = set(getattr(hf, "_no_split_modules", None) or ())
-    layers = [m for m in hf.modules() if type(m).__name__ in names]
+    layers: list[nn.Module] = []
+    inner: set[int] = set()  # modules of those classes inside another (Mamba's mixer in its block)
+    for m in hf.modules():
+        if type(m).__name__ in names and id(m) not in inner:
+            layers.append(m)
+            inner.update(id(sub) for sub in m.modules())
     if len(layers) != config.num_hidden_layers:
         raise ConfigError(
             f"config.json: {config.architecture} has {len(layers)} modules of its layer classes ({', '.join(sorted(names)) or 'none'}), "
@@ -467,7 +656,7 @@ def _learn(hf: nn.Module, layers: list[nn.Module], config: TransformersConfig) -
                 tensors[name] = tuple(value.shape)
             elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
                 tensors[name] = tuple(tuple(v.shape) for v in value)
-        recorder.calls.append(_Call(tensors, [], []))
+        recorder.calls.append(_Call(type(module).__name__, tensors, [], []))
 
     hooks = [layer.register_forward_pre_hook(before, with_kwargs=True) for layer in layers]
 
@@ -475,17 +664,52 @@ def _learn(hf: nn.Module, layers: list[nn.Module], config: TransformersConfig) -
         recorder.calls[-1].windows.append(sliding_window)
         return query.transpose(1, 2), None
 
+    from transformers.integrations.moe import ExpertsInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTENTION, attention)
+    # No value is computed: the experts' output has its input's shape (and `nonzero` has
+    # no meta kernel).
+    ExpertsInterface.register(EXPERTS, lambda module, hidden_states, *_: torch.zeros_like(hidden_states))
+    # The masks the model builds: transformers builds none for aotc's attention, which
+    # masks by position, so any other than causal and sliding would be lost.
+    modeling = inspect.getmodule(type(hf))
+    creators = {n: f for n, f in vars(modeling).items() if n.startswith("create_") and getattr(f, "__module__", None) == "transformers.masking_utils"}
+    masks: list[tuple[str, list[str]]] = []
+
+    def recording(name, create):
+        def record(*args, **kwargs):
+            masks.append((name, [k for k in ("or_mask_function", "and_mask_function") if kwargs.get(k) is not None]))
+            return create(*args, **kwargs)
+
+        return record
+
+    for name, create in creators.items():
+        setattr(modeling, name, recording(name, create))
     try:
         ids = torch.zeros(1, 2, dtype=torch.long)
         with torch.no_grad():
             hf(input_ids=ids, position_ids=torch.arange(2)[None], **{cache_param: recorder}, use_cache=True, aotc_positions=torch.arange(2)[None])
+    except AttributeError as e:
+        if not recorder.asked or e.args != (recorder.asked[-1][1],):  # not what the recorder lacked
+            raise
+        where, name = recorder.asked[-1]
+        raise ConfigError(
+            f"{config.architecture}: {where} asks transformers' cache for {name!r}; aotc's stand-in cache has update() only "
+            "(one indexed write per layer and step, at the positions the step gives, not from the cache's length)"
+        ) from None
     finally:
         for h in hooks:
             h.remove()
+        vars(modeling).update(creators)
         _register_attention()
+        _register_experts()
+    for name, extra in masks:
+        if name not in _MASKS or extra:
+            raise ConfigError(
+                f"{config.architecture}: its forward builds its attention mask with {name}{' and an ' + ' and '.join(extra) if extra else ''}; "
+                "aotc's generic path masks by position (causal, and the sliding window the attention module passes), not by that mask"
+            )
     return _contract_of(recorder.calls, layers, config, hf.config, cache_param)
 
 
@@ -518,16 +742,11 @@ def _contract_of(calls: list[_Call], layers, config: TransformersConfig, hf_conf
     types = getattr(hf_config, "layer_types", None)
     for i, call in enumerate(calls):
         expected = hf_window if (types is None or types[i] == "sliding_attention") and hf_window else None
-        if types is not None and types[i] not in ("full_attention", "sliding_attention"):
-            raise ConfigError(f"config.json: layer_types[{i}] is {types[i]!r}; aotc's generic path runs full and sliding attention")
         if expected is not None and call.windows != [expected]:
             raise ConfigError(
                 f"{config.architecture}: layer {i} is a sliding-window layer (sliding_window {expected}) but its attention is given "
                 f"window {call.windows[0]!r}; aotc's generic path masks by the window the attention module passes"
             )
-    for key in ("attention_chunk_size",):
-        if getattr(hf_config, key, None):
-            raise ConfigError(f"config.json: field {key!r} is set; aotc's generic path runs full and sliding attention, not chunked")
     return Contract(calls[0].tensors["hidden_states"][-1], config.dtype, rope.pop(), k_shape[1], k_shape[3], v_shape[3], cache_param)
 
 
@@ -583,7 +802,10 @@ def _layer_class(base: type, contract: Contract) -> type:
     prefill = entry(bucket="chunk", caches=caches, pad=pad, split=True)(prefill)
 
     def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs).arguments
+        # transformers' loops pass the hidden state first and the rest by name: read them so
+        # (binding the signature for each layer and step costs more than the graph's call
+        # overhead); anything else binds.
+        bound = {"hidden_states": args[0], **kwargs} if len(args) == 1 and "hidden_states" not in kwargs else signature.bind(self, *args, **kwargs).arguments
         step = bound.get(contract.cache_param)
         if not isinstance(step, _Step):  # not aotc's loop: transformers' own layer
             return base.forward(self, *args, **kwargs)

@@ -79,7 +79,7 @@ class LlamaConfig(ModelConfig):
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", float, 1e-6),
+            rms_norm_eps=cfg.positive_number("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=cfg.positive("max_position_embeddings", 4096),
@@ -97,11 +97,11 @@ def _read_rope(cfg: ConfigReader) -> tuple[float, dict | None]:
     # transformers 5 writes `rope_parameters` (theta inside); older configs
     # write `rope_theta` and `rope_scaling`. Real checkpoints use both.
     params = cfg.get("rope_parameters", dict, None)
+    theta = cfg.positive_number("rope_theta", 10000.0)
     if params is None:
-        theta = cfg.get("rope_theta", float, 10000.0)
         params = cfg.get("rope_scaling", dict, None) or {}
     else:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", float, 10000.0)))
+        theta = cfg.positive_number("rope_theta", theta, where=params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{cfg.source}: rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
@@ -109,13 +109,19 @@ def _read_rope(cfg: ConfigReader) -> tuple[float, dict | None]:
         return theta, None
     required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in required[rope_type]:
-        if not isinstance(params.get(key), (int, float)):
+        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
             raise ConfigError(f"{cfg.source}: rope scaling {rope_type!r} needs a number in field {key!r}, got {params.get(key)!r}")
+        cfg.positive_number(key, where=params)
+    if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise ConfigError(
+            f"{cfg.source}: rope scaling 'llama3' needs high_freq_factor above low_freq_factor (it divides by their difference), "
+            f"got {params['high_freq_factor']} and {params['low_freq_factor']}"
+        )
     return theta, {"rope_type": rope_type, **{k: params[k] for k in required[rope_type]}}
 
 
 def _read_windows(cfg: ConfigReader, model_type: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window", int, None)
+    window = cfg.positive("sliding_window", None)
     if model_type == "mistral":
         return (window,) * layers
     if model_type != "qwen2":

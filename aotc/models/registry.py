@@ -76,6 +76,11 @@ def resolve(config: dict, source: Path | str, modeling: str = "auto") -> Archite
 
     if modeling not in MODELING:
         raise ConfigError(f"--modeling {modeling!r}: expected one of {', '.join(MODELING)}")
+    if config.get("is_encoder_decoder") is True:
+        raise ConfigError(
+            f"{source}: model_type {config.get('model_type')!r} is an encoder-decoder (field 'is_encoder_decoder' is true); "
+            "aotc compiles decoder-only causal LMs"
+        )
     if modeling == "transformers":
         if not hf.knows(config):
             raise ConfigError(

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -24,6 +24,7 @@ from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .checkpoint import scale_names
 from .corpus import CORPUS
 from ..errors import ConfigError
+from ..format import write_atomic
 from .registry import get_architecture
 
 DEFAULT_ARCH = "llama"
@@ -93,7 +94,7 @@ def write_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
         _, arch, parsed = parse_config(tmp)
         model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed), **({} if head_std is None else {"head_std": head_std}))
@@ -106,7 +107,8 @@ def write_model(
             if quantize == "fp4-experts":
                 config["expert_dtype"] = "fp4"
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # Serialized in memory, written by Python: a full disk is then an OSError to report.
+        write_atomic(tmp / "model.safetensors", save(tensors, metadata={"format": "pt"}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

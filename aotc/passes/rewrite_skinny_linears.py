@@ -32,7 +32,9 @@ adds per 16 weights) runs below memory speed, at 15 to 17 GB/s for K of
 256, 1024 and 4096 alike (so not x's cache footprint); FMA contraction
 (`cpp.enable_floating_point_contract_flag`) did not change it.
 
-Cases handled: `aten.linear(x, W, b)` with x of static shape [M, K], M <= 8.
+Cases handled: `aten.linear(x, W, b)` with x of static shape [M, K], M <= 8, or
+[..., K] with at most 8 rows in all (transformers' layers give [B, T, K]: reshaped to
+[B * T, K] and back).
 (rewrite_skinny_matmuls does the same for decode attention's matmuls.)
 
 Before:
@@ -54,6 +56,8 @@ matmul engine wants the matmul.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 
@@ -74,9 +78,13 @@ class RewriteSkinnyLinears(GraphPass):
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             xv, wv = fake_val(x), fake_val(w)
-            if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > MAX_ROWS:
+            lead = list(xv.shape[:-1])  # the rows: [M], or [B, T] as transformers' layers give them
+            if xv.dim() < 2 or wv.dim() != 2 or not all(isinstance(d, int) for d in xv.shape) or math.prod(lead) > MAX_ROWS:
                 return None
-            out = per_row(gm.graph, x, 0, lambda row: insert_call(gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, w, row), [-1]))
-            return out if bias is None else insert_call(gm.graph, aten.add.Tensor, out, bias)
+            rows = x if xv.dim() == 2 else insert_call(gm.graph, aten.reshape.default, x, [math.prod(lead), xv.shape[-1]])
+            out = per_row(gm.graph, rows, 0, lambda row: insert_call(gm.graph, aten.sum.dim_IntList, insert_call(gm.graph, aten.mul.Tensor, w, row), [-1]))
+            if bias is not None:
+                out = insert_call(gm.graph, aten.add.Tensor, out, bias)
+            return out if xv.dim() == 2 else insert_call(gm.graph, aten.view.default, out, [*lead, wv.shape[0]])
 
         return rewrite_each(gm, aten.linear.default, rewrite)

@@ -92,6 +92,7 @@ _ROW_WISE = {
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default, aten.clamp.default,
 }
+_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor}
 _SUM, _MEAN, _AMAX = aten.sum.dim_IntList, aten.mean.dim, aten.amax.default
 _SCATTER_ADD = {aten.index_add_.default, aten.index_add.default}
 _INDEX_PUT = {aten.index_put_.default, aten.index_put.default}
@@ -373,6 +374,12 @@ class _Stripper:
             for a, dims in ins.items():
                 if any(d == dim % a.meta["val"].dim() for d, _ in dims):
                     self.fail(node, f"{target} across the rows of nonzero", "Keep rows independent; reduce them with sum / index_add_")
+            return
+        if target in _SPLITS:  # (a tuple, read by getitem) row-wise unless it splits the rows (which export mostly refuses itself)
+            src = node.args[0]
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            if any(d == dim % src.meta["val"].dim() for d, _ in ins[src]):
+                self.fail(node, f"{target} across the rows of nonzero", "Split along another dim; keep the rows together")
             return
         if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
             src = node.args[0]

@@ -106,6 +106,22 @@ def test_nonzero_and_index_add(dtype, chosen):
     torch.testing.assert_close(out, expected)
 
 
+class GatedRows(nn.Module):
+    """A gated MLP on a mask's rows, its gate and up halves split apart (transformers' experts)."""
+
+    def forward(self, x, m):  # x: [N, 2D]; m: [N] bool
+        rows = m.nonzero().flatten()
+        gate, up = x[rows].chunk(2, dim=-1)
+        return torch.zeros(x.shape[0], gate.shape[-1]).index_add_(0, rows, torch.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize("mask", [[1, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0]])
+def test_a_split_along_the_features_keeps_the_rows(mask):
+    x, m = torch.randn(6, 8), torch.tensor(mask, dtype=torch.bool)
+    gm = strip(GatedRows(), x, m)
+    torch.testing.assert_close(gm(x, m)[0], GatedRows()(x, m))
+
+
 class MaskReductions(nn.Module):
     def forward(self, x, m):  # x: [N, D]; m: [N] bool
         y = x[m] * 2 + 1  # [count, D]
