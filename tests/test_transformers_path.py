@@ -62,6 +62,9 @@ ARCHS = {
     # runs each expert on its tokens, as prefill does.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=WINDOW)),  # renamed block_sparse_moe
+    # attention sinks (s_aux), transposed experts with biases and a gate of its own (_apply_gate)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW,
+                                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 LAYERS = {"gpt2": "n_layer"}
 # Compiled on inductor and xla in CI; the others under `slow`.
