@@ -22,7 +22,8 @@ from .errors import ConfigError
 from .models.config import model_file, read_json_object
 
 
-def _read(model_dir: Path) -> tuple[str, dict]:
+def _read(model_dir: Path) -> tuple[str, dict, Path]:
+    """The chat template, the special tokens it is given, and the file it came from."""
     path = model_file(model_dir, "tokenizer_config.json")
     config = read_json_object(path) if path.is_file() else {}
     template = config.get("chat_template")
@@ -30,7 +31,9 @@ def _read(model_dir: Path) -> tuple[str, dict]:
         named = {t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
     jinja_file = model_file(model_dir, "chat_template.jinja")
+    source = path
     if template is None and jinja_file.is_file():
+        source = jinja_file
         try:
             template = jinja_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -44,7 +47,7 @@ def _read(model_dir: Path) -> tuple[str, dict]:
     for key, value in config.items():  # bos_token, eos_token, ...: a string or an AddedToken record
         if key.endswith("_token"):
             specials[key] = value.get("content") if isinstance(value, dict) else value
-    return template, specials
+    return template, specials, source
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -133,7 +136,7 @@ def _compiled(template: str):
 def render_user_turn(model_dir: Path, text: str) -> str:
     """The template's rendering of one user message, with the assistant's turn opened,
     within the limits above."""
-    template, specials = _read(model_dir)
+    template, specials, source = _read(model_dir)
     _deadline.at = time.monotonic() + RENDER_SECONDS
     out, size = [], 0
     try:
@@ -144,7 +147,7 @@ def render_user_turn(model_dir: Path, text: str) -> str:
             out.append(chunk)
     except Exception as e:  # the template is data: whatever it does wrong, name it (SecurityError, range's cap, 1/0, ...)
         what = str(e) if isinstance(e, _Limit) or type(e).__module__.startswith("jinja2") else f"{type(e).__name__}: {e}"
-        raise ConfigError(f"{Path(model_dir) / 'tokenizer_config.json'}: its chat_template failed to render: {what}") from None
+        raise ConfigError(f"{source}: its chat_template failed to render: {what}") from None
     finally:
         _deadline.at = float("inf")
     return "".join(out)

@@ -154,6 +154,18 @@ def timeit(fn, *, min_time=0.5, repeats=5, best=False) -> float:
     return min(samples) if best else statistics.median(samples)
 
 
+def transformers_model(folder: Path, config: str, model: str, **fields) -> Path:
+    """A random model that transformers makes (its `config` and `model` classes, seed 0),
+    saved into `folder` once, as transformers saves it."""
+    import transformers
+
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        made = getattr(transformers, model)(getattr(transformers, config)(initializer_range=0.05, **fields))
+        made.eval().save_pretrained(folder)
+    return folder
+
+
 def transformers_decode_step(hf, prompts: torch.Tensor, ids: torch.Tensor):
     """transformers' own decode step, as its users run it: the model with its DynamicCache,
     prefilled with `prompts` [B, P]; each call decodes `ids` [B] at position P (the step's

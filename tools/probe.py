@@ -25,6 +25,7 @@ folders and Hub ids.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -436,39 +437,43 @@ def chat_of(template) -> Callable[[Path, Path], list]:
     return lambda m, ws: ["run", _template(m, template), "--eager", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
 
 
+@contextlib.contextmanager
+def _small_disk(ws: Path, *options: str):
+    """A 64 KiB tmpfs under `ws` (read-only with "ro") for the case, or None where mount is refused."""
+    disk = ws / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k", *options)), "tmpfs", str(disk)], capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
 def on_small_disk(argv: Callable[["Probe", Path, Path], list], words: str, *options: str) -> Callable[["Probe", Path], str]:
-    """The command writing onto a 64 KiB tmpfs (read-only with "ro"): refused naming `words`,
-    nothing left on it."""
+    """The command writing onto a small disk: refused naming `words`, nothing left on it."""
 
     def run(p: Probe, ws: Path) -> str:
-        disk = ws / "disk"
-        disk.mkdir()
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k", *options)), "tmpfs", str(disk)], capture_output=True).returncode:
-            return "other (cannot mount a tmpfs here)"
-        try:
+        with _small_disk(ws, *options) as disk:
+            if disk is None:
+                return "other (cannot mount a tmpfs here)"
             outcome = judge(p.aotc(*argv(p, ws, disk), timeout=120), words)
-            left = [f for f in disk.rglob("*") if not f.name.endswith(".lock")]
-            return "lost" if left else outcome
-        finally:
-            subprocess.run(["umount", str(disk)])
+            return "lost" if [f for f in disk.rglob("*") if not f.name.endswith(".lock")] else outcome
 
     return run
 
 
 def _cache_full(p: Probe, ws: Path) -> str:
     """A cache on a full disk: the build goes on without it (README), and the bundle runs."""
-    disk = ws / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
-        return "other (cannot mount a tmpfs here)"
-    try:
+    with _small_disk(ws) as disk:
+        if disk is None:
+            return "other (cannot mount a tmpfs here)"
         r = p.aotc("build", p.model(), "--backend", "export", *BUILD, "--cache-dir", disk / "cache", "-o", ws / "out", timeout=120)
         if judge(r) != "silent":  # exit 0 is what the README promises here
             return judge(r)
         ran = p.aotc("run", ws / "out", "--prompt", "hi", "--max-new-tokens", "2")
         return "handled" if "cannot be written" in r.out and ran.rc == 0 else "silent"
-    finally:
-        subprocess.run(["umount", str(disk)])
 
 
 def bad_input(cls: str, name: str, prepare: Callable[[Path, Path], list], words: str) -> Case:

@@ -166,10 +166,14 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
     errors_before = len(remote.errors) if remote else 0
     notes: list[str] = []
     source: Served
+
+    def uncached():
+        out = out_dir / rel
+        out.mkdir(parents=True)
+        return compile_graph(backend, item, out), out
+
     if cache is None:
-        src = out_dir / rel
-        src.mkdir(parents=True)
-        record, source = compile_graph(backend, item, src), "uncached"
+        (record, src), source = uncached(), "uncached"
     else:
         with cache.lock(key):
             try:
@@ -186,9 +190,7 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
                     if out_dir is None:
                         raise
                     notes.append(f"the compile cache cannot be written ({e.filename or cache.root}: {e.strerror or e}); this artifact was built without it")
-                    src = out_dir / rel
-                    src.mkdir(parents=True)
-                    record, source = compile_graph(backend, item, src), "uncached"
+                    (record, src), source = uncached(), "uncached"
                 if entry is not None and remote is not None:
                     remote.store(key, entry.dir, entry.record)
         if entry is not None:

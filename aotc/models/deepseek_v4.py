@@ -185,7 +185,7 @@ def _read_rope(cfg: ConfigReader, partial: float) -> dict:
             raise ConfigError(f"{cfg.source}: rope_parameters.{kind}.rope_type is {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
         if rope_type == "yarn":
             for key in ("factor", "original_max_position_embeddings"):
-                if not isinstance(p.get(key), (int, float)) or isinstance(p.get(key), bool):
+                if not isinstance(p.get(key), (int, float)):
                     raise ConfigError(f"{cfg.source}: yarn rope ({kind}) needs a number in field {key!r}, got {p.get(key)!r}")
                 cfg.positive_number(key, where=p)
         out[kind] = {**p, "rope_type": rope_type, "rope_theta": cfg.positive_number("rope_theta", 10000.0, where=p), "partial_rotary_factor": partial}

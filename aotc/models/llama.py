@@ -109,7 +109,7 @@ def _read_rope(cfg: ConfigReader) -> tuple[float, dict | None]:
         return theta, None
     required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in required[rope_type]:
-        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
+        if not isinstance(params.get(key), (int, float)):
             raise ConfigError(f"{cfg.source}: rope scaling {rope_type!r} needs a number in field {key!r}, got {params.get(key)!r}")
         cfg.positive_number(key, where=params)
     if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:

@@ -13,22 +13,12 @@ import torch
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
-from common import M100, Run, console, section, table, timeit, transformers_decode_step
+from common import M100, Run, console, section, table, timeit, transformers_decode_step, transformers_model
 
 BATCHES = (1, 4)
 POSITION = 128
 MAX_SEQ = 256
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512)
-
-
-def make_qwen3(folder, fields: dict, layers: int):
-    import transformers
-
-    if not (folder / "config.json").is_file():
-        torch.manual_seed(0)
-        config = transformers.Qwen3Config(**fields, num_hidden_layers=layers, max_position_embeddings=1024, initializer_range=0.05)
-        transformers.Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    return folder
 
 
 def decode_times(run: Run, model_dir, modeling: str, chunk: int, prompts, step_ids, hf=None) -> dict:
@@ -68,7 +58,7 @@ def generic(run: Run) -> dict:
     llama_dir = run.model(run.main)
     shapes = TINY if run.quick else M100
     layers = 4 if run.quick else 8
-    qwen3_dir = make_qwen3(run.root / "models" / f"qwen3-{run.main}", shapes, layers)
+    qwen3_dir = transformers_model(run.root / "models" / f"qwen3-{run.main}", "Qwen3Config", "Qwen3ForCausalLM", **shapes, num_hidden_layers=layers, max_position_embeddings=1024)
     chunk = 16 if run.quick else 64
     tolerance = tolerance_for(run.backend)
     g = torch.Generator().manual_seed(0)

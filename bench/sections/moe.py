@@ -17,7 +17,7 @@ from aotc.build.plan import make_plan
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
 from aotc.trace import trace
-from common import Run, console, copy_bandwidth, section, table, timeit, transformers_decode_step
+from common import Run, console, copy_bandwidth, section, table, timeit, transformers_decode_step, transformers_model
 
 MOE_100M = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -30,16 +30,6 @@ MOE_TINY = dict(
 BATCHES = (1, 4)
 POSITION = 128
 MAX_SEQ = 256
-
-
-def make_moe(folder, fields: dict):
-    import transformers
-
-    if not (folder / "config.json").is_file():
-        torch.manual_seed(0)
-        config = transformers.Qwen3MoeConfig(**fields, initializer_range=0.05)
-        transformers.Qwen3MoeForCausalLM(config).eval().save_pretrained(folder)
-    return folder
 
 
 def graph_weight_bytes(graph) -> int:
@@ -67,7 +57,7 @@ def moe(run: Run) -> dict:
 
     name = "qwen3_moe-tiny" if run.quick else "qwen3_moe-110m"
     fields = MOE_TINY if run.quick else MOE_100M
-    model_dir = make_moe(run.root / "models" / name, fields)
+    model_dir = transformers_model(run.root / "models" / name, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", **fields)
     chunk = 16 if run.quick else 64
     bundle = Bundle.load(run.bundle(model_dir, batch_buckets=BATCHES, chunk_buckets=(chunk,), max_seq=MAX_SEQ))
     model = load_model(model_dir).model
