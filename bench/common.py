@@ -192,9 +192,9 @@ def copy_bandwidth(nbytes: int = 1 << 30, min_time: float = 3.0) -> float:
     return nbytes / timeit(lambda: buf.sum(), min_time=min_time, repeats=10, best=True)
 
 
-def gemm_peak(n: int = 2048, min_time: float = 2.0) -> float:
-    """fp32 FLOP/s of a large matmul (n x n x n), best of 5: the compute side of the roofline."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_peak(n: int = 2048, min_time: float = 2.0, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a large matmul (n x n x n) in `dtype`, best of 5: the compute side of the roofline."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / timeit(lambda: a @ b, min_time=min_time, repeats=5, best=True)
 
 

@@ -198,6 +198,23 @@ def test_prefill_chunks_cover_the_prompt_and_count_their_padding(bench):
     assert rows[2]["chunks"] == "512+128+75"  # the tail in the chunks that pad it least
 
 
+def test_chat_packs_a_batchs_prompts_and_rates_the_rows_it_ran(bench):
+    """One 38-token prompt runs as 16 + 16 + 6 rows (48 computed, not 128), four as
+    128 + 16 + 8 (160, not four times 48); the first tokens are eager's; the ratios and
+    GFLOP/s are of the columns."""
+    run, sections = bench
+    result = sections["chat"](run)
+    one, four = result["rows"]
+    assert (one["prompts"], one["tokens"], one["chunks"], one["rows computed"]) == (1, 38, "16+16+6", 48)
+    assert (four["prompts"], four["tokens"], four["chunks"], four["rows computed"]) == (4, 152, "128+16+8", 160)
+    assert one["first tokens as eager's"] and four["first tokens as eager's"]
+    for r in (one, four):
+        assert math.isclose(r["aotc/eager"], ratio(r, "aotc ms", "eager ms"))
+        assert math.isclose(r["aotc GFLOP/s padding included"] / r["aotc GFLOP/s"], r["rows computed"] / r["tokens"])
+    assert math.isclose(four["4 prompts / 1"], four["aotc ms"] / one["aotc ms"])
+    assert one["target met"] == (one["aotc/eager"] <= 1.0) and four["target met"] == (four["4 prompts / 1"] <= 3.0)
+
+
 def test_context_reads_the_smallest_bucket_that_holds_the_position(bench):
     run, sections = bench
     result = sections["context"](run)

@@ -88,8 +88,8 @@ def test_a_portable_build_has_no_avx512_instructions(tiny_dir, tmp_path):
 
 def test_a_parallel_build_compiles_each_artifact_into_one_package(inductor_bundles):
     parallel = inductor_bundles[0]
-    assert parallel.jobs == 2 and parallel.count("uncached") == 7
-    assert len(files(parallel)) == 7
+    assert parallel.jobs == 2 and parallel.count("uncached") == 8
+    assert len(files(parallel)) == 8
     assert all(list(f) == ["model.pt2"] for f in files(parallel).values())
 
 
@@ -97,7 +97,7 @@ def test_a_parallel_build_compiles_each_artifact_into_one_package(inductor_bundl
 def test_parallel_build_is_identical_to_serial(inductor_bundles, tiny_dir, tmp_path):
     parallel = inductor_bundles[0]
     serial = build(BuildOptions(tiny_dir, out=tmp_path / "j1", jobs=1, use_cache=False, **OPTIONS))
-    assert serial.jobs == 1 and serial.count("uncached") == 7
+    assert serial.jobs == 1 and serial.count("uncached") == 8
     assert files(parallel) == files(serial)
     assert sorted(p.relative_to(parallel.out) for p in parallel.out.rglob("*")) == sorted(p.relative_to(serial.out) for p in serial.out.rglob("*"))
 
@@ -110,8 +110,8 @@ def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
         for bucket in (1, 8):
             assert changes[("LlamaDecoderLayer.decode", bucket, context)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
             assert changes[("LlamaDecoderLayer.decode", bucket, context)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
-    assert changes[("LlamaDecoderLayer.prefill", 16, None)]["rewrite_skinny_linears"] == 0
-    assert changes[("LlamaDecoderLayer.prefill", 16, None)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
+    assert changes[("LlamaDecoderLayer.prefill", 16, 96)]["rewrite_skinny_linears"] == 0
+    assert changes[("LlamaDecoderLayer.prefill", 16, 96)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
 
 
 def test_packages_hold_no_weights(inductor_bundles):

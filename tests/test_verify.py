@@ -123,7 +123,7 @@ def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
 
     monkeypatch.setattr(verify_mod.Bundle, "load", loading)
     failed = _problems(verify(tiny_bundle.out))
-    assert set(failed) == {("LlamaDecoderLayer.decode", 4, 256), ("LlamaDecoderLayer.prefill", 16, None), ("LlamaDecoderLayer.prefill", 64, None)}, failed
+    assert set(failed) == {("LlamaDecoderLayer.decode", 4, 256), ("LlamaDecoderLayer.prefill", 16, 256), ("LlamaDecoderLayer.prefill", 64, 256)}, failed
     for problems in failed.values():
         assert problems == [f"program.pt2: the padding rows wrote nothing into any cache's scratch slot {slots - 1}"], problems
 
@@ -250,12 +250,12 @@ def test_a_prefill_chunk_is_verified_after_a_first_one(tiny_bundle, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle.out, bundle)
     for chunk in (16, 64):
-        name = artifact_dir("LlamaDecoderLayer.prefill", chunk, None)
+        name = artifact_dir("LlamaDecoderLayer.prefill", chunk, 256)
         shutil.copy(other / name / "program.pt2", bundle / name / "program.pt2")
     rehash(bundle)
     failed = _problems(verify(bundle, entry_id="LlamaDecoderLayer.prefill"))
-    assert set(failed) == {("LlamaDecoderLayer.prefill", 64, None)}, failed
-    assert any("output 0 differs by up to" in p for p in failed["LlamaDecoderLayer.prefill", 64, None])
+    assert set(failed) == {("LlamaDecoderLayer.prefill", 64, 256)}, failed
+    assert any("output 0 differs by up to" in p for p in failed["LlamaDecoderLayer.prefill", 64, 256])
 
 
 def test_a_chunk_as_long_as_max_seq_is_verified_from_position_0(tiny_dir, tmp_path, monkeypatch):
@@ -278,6 +278,15 @@ def test_a_chunk_as_long_as_max_seq_is_verified_from_position_0(tiny_dir, tmp_pa
     assert sorted(a.bucket for a in report.artifacts) == [16, 64] and grad_modes and not any(grad_modes)
 
 
+def test_a_chunk_as_long_as_its_context_bucket_is_verified_from_position_0(tiny_dir, tmp_path):
+    """Chunk 32 at context buckets 32 and 64: the 32-position graph cannot take a chunk
+    after a first one (positions 32 to 62), so verify runs it from position 0."""
+    out = build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(32,), max_seq=64, context_buckets=(32,), backend="export")).out
+    report = verify(out, entry_id="LlamaDecoderLayer.prefill")
+    assert report.passed, _problems(report)
+    assert sorted((a.bucket, a.context) for a in report.artifacts) == [(32, 32), (32, 64)]
+
+
 def test_cache_writes_that_differ_fail_with_their_own_message(tiny_bundle, monkeypatch):
     """Prefill steps whose outputs are the graph's but whose cache writes are not."""
     from aotc.runtime import verify as verify_mod
@@ -292,7 +301,7 @@ def test_cache_writes_that_differ_fail_with_their_own_message(tiny_bundle, monke
 
     monkeypatch.setattr(verify_mod.Bundle, "load", loading)
     failed = _problems(verify(tiny_bundle.out))
-    assert set(failed) == {("LlamaDecoderLayer.prefill", 16, None), ("LlamaDecoderLayer.prefill", 64, None)}
+    assert set(failed) == {("LlamaDecoderLayer.prefill", 16, 256), ("LlamaDecoderLayer.prefill", 64, 256)}
     for problems in failed.values():
         assert [p.partition(":")[0] for p in problems] == [f"program.pt2 wrote {c} differently from eager where eager wrote" for c in ("k_cache", "v_cache")], problems
 

@@ -59,6 +59,7 @@ from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
+from .packing import pack, packed_visible
 
 NAME = "transformers"
 ATTENTION = "aotc"
@@ -212,15 +213,26 @@ class _LayerCache:
         index = (self.slots, slice(None), self.positions)
         store(self.rows[0], self.k_cache, index, k)
         store(self.rows[1], self.v_cache, index, v)
-        seen = (slice(None, b),) if self.decode else (self.slots[:1],)
-        return load(self.rows[0], self.k_cache, seen, key_states.dtype), load(self.rows[1], self.v_cache, seen, value_states.dtype)
+        if self.decode:  # each row's own slot
+            seen = (slice(None, b),)
+            return load(self.rows[0], self.k_cache, seen, key_states.dtype), load(self.rows[1], self.v_cache, seen, value_states.dtype)
+        # A packed prefill chunk (models.packing): the first sequence's cached positions,
+        # then the chunk's rows as the cache holds them: [1, kv heads, S + T, head dim].
+        first, own = (self.slots[:1],), (self.slots, slice(None), self.positions)
+        return tuple(
+            torch.cat([load(rows, cache, first, dtype), load(rows, cache, own, dtype).transpose(0, 1)[None]], dim=2)
+            for rows, cache, dtype in ((self.rows[0], self.k_cache, key_states.dtype), (self.rows[1], self.v_cache, value_states.dtype))
+        )
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention interface, as aotc runs it: query [B, heads, T, d], key and
     value [B, kv heads, S, d] (the cache rows); masked by position, so that the cache's
-    positions past a sequence's own are never seen. Returns [B, T, heads, d]."""
+    positions past a sequence's own are never seen. A prefill chunk (B 1, `aotc_slots`
+    given) packs sequences (models.packing): its keys are the first sequence's S - T
+    cached positions and the chunk's T rows. Returns [B, T, heads, d]."""
     positions = kwargs.get("aotc_positions")  # [B, T]
+    slots = kwargs.get("aotc_slots")  # [T], prefill only
     if positions is None:
         raise ConfigError(
             f"{type(module).__qualname__} called attention without the kwargs its layer was given; aotc's generic path "
@@ -239,11 +251,14 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     scores = (q @ key.transpose(-1, -2)).float() * scale  # [B, kv, rep * T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    k_pos = torch.arange(s, device=query.device)
-    q_pos = positions[:, None, None, :].expand(b, 1, rep, t).reshape(b, 1, rep * t, 1)
-    seen = k_pos <= q_pos
-    if sliding_window:
-        seen = seen & (k_pos > q_pos - sliding_window)
+    if slots is not None:  # [T, S] -> a row per (query head of a KV head, token)
+        seen = packed_visible(positions[0], slots, s - t, sliding_window or None).repeat(rep, 1)
+    else:
+        k_pos = torch.arange(s, device=query.device)
+        q_pos = positions[:, None, None, :].expand(b, 1, rep, t).reshape(b, 1, rep * t, 1)
+        seen = k_pos <= q_pos
+        if sliding_window:
+            seen = seen & (k_pos > q_pos - sliding_window)
     scores = scores.masked_fill(~seen, float("-inf"))
     if s_aux is not None:  # attention sinks: a per-head logit that takes probability but gives no value
         sinks = s_aux.float().view(1, kv_heads, rep, 1).expand(b, -1, -1, t).reshape(b, kv_heads, rep * t, 1)
@@ -541,7 +556,7 @@ class TransformersCausalLM(CausalLM):
 
     # -- generation ----------------------------------------------------------------
     @torch.no_grad()
-    def _forward(self, method: str, ids, positions, slots, caches, keep: int):
+    def _forward(self, method: str, ids, positions, slots, caches, keep: int | torch.Tensor):
         # ids, positions: [B, T]; slots: [B * T]
         step = _Step(method, positions.reshape(-1), slots, caches)
         out = self.hf(input_ids=ids, position_ids=positions, **{self.contract.cache_param: step}, use_cache=True, logits_to_keep=keep)
@@ -552,6 +567,10 @@ class TransformersCausalLM(CausalLM):
         positions = torch.arange(start, start + n, device=ids.device)
         slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
         return self._forward("prefill", ids[None], positions[None], slots, caches, 1)[0, -1]
+
+    def prefill_batch(self, prompts, slots, caches):
+        p = pack(prompts, slots)
+        return self._forward("prefill", p.ids[None], p.positions[None], p.slots, caches, p.last)[0]
 
     def decode(self, ids, positions, caches):
         slots = self.batch_slots(ids.shape[0], ids.device)
@@ -781,6 +800,8 @@ def _layer_class(base: type, contract: Contract) -> type:
             kw["position_embeddings"] = (named["cos"].view(*shape, -1), named["sin"].view(*shape, -1))
         if takes_positions:
             kw["position_ids"] = positions.view(shape)
+        if not decode:
+            kw["aotc_slots"] = slots
         out = base.forward(self, x.view(*shape, -1), attention_mask=None, use_cache=True, aotc_positions=positions.view(shape), **kw)
         if isinstance(out, tuple):
             out = out[0]
@@ -799,7 +820,7 @@ def _layer_class(base: type, contract: Contract) -> type:
     pad = {"slots": SCRATCH_SLOT}
     caches = ("k_cache", "v_cache")
     decode = entry(bucket="batch", caches=caches, pad=pad, context="positions")(decode)
-    prefill = entry(bucket="chunk", caches=caches, pad=pad, split=True)(prefill)
+    prefill = entry(bucket="chunk", caches=caches, pad=pad, split=True, context="positions")(prefill)
 
     def forward(self, *args, **kwargs):
         # transformers' loops pass the hidden state first and the rest by name: read them so

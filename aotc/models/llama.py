@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
+from .packing import pack, packed_visible
 from .registry import register_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -249,14 +250,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(b, self.heads * self.head_dim))
 
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
-        # x: [C, H], C tokens of the sequence in slots[0]; its cache holds the earlier chunks
-        c, rep = x.shape[0], self.heads // self.kv_heads
+        # x: [C, H], a chunk of one or more sequences' tokens (models.packing): the first
+        # may continue a sequence the cache holds, the others start here
+        c, rep, dtype = x.shape[0], self.heads // self.kv_heads, x.dtype
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
-        keys = load(self.k_rows, k_cache, (slots[:1],), x.dtype).transpose(0, 1)  # [kv, 1, S, hd]
-        values = load(self.v_rows, v_cache, (slots[:1],), x.dtype).transpose(0, 1)
-        mask = visible(positions, k_cache.shape[2], self.window)  # [C, S]
-        out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep, C, hd]
+        # The first sequence's cached positions, then the chunk's rows as the cache holds them.
+        first, own = (slots[:1],), (slots, slice(None), positions)
+        keys = torch.cat([load(self.k_rows, k_cache, first, dtype)[0], load(self.k_rows, k_cache, own, dtype).transpose(0, 1)], dim=1)  # [kv, S + C, hd]
+        values = torch.cat([load(self.v_rows, v_cache, first, dtype)[0], load(self.v_rows, v_cache, own, dtype).transpose(0, 1)], dim=1)
+        mask = packed_visible(positions, slots, k_cache.shape[2], self.window)  # [C, S + C]
+        out = softmax_attend(q, keys[:, None], values[:, None], mask, self.scale)  # [kv, rep, C, hd]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
 
 
@@ -285,7 +289,7 @@ class LlamaDecoderLayer(nn.Module):
         h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True)
+    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True, context="positions")
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
         h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -393,6 +397,12 @@ class LlamaForCausalLM(CausalLM):
         slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
         x = self.run_layers("prefill", self.model.embed_tokens(ids), positions, slots, caches)
         return self.head(x[-1:])[0]
+
+    @torch.no_grad()
+    def prefill_batch(self, prompts, slots, caches):
+        p = pack(prompts, slots)
+        x = self.run_layers("prefill", self.model.embed_tokens(p.ids), p.positions, p.slots, caches)
+        return self.head(x[p.last])
 
     @torch.no_grad()
     def prompt_logits(self, ids: torch.Tensor, max_seq: int | None = None) -> torch.Tensor:

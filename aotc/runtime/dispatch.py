@@ -8,7 +8,7 @@ the smallest bucket that holds the largest position, on views of its caches'
 first positions. An entry that allows it (prefill chunks) runs its rows as
 consecutive calls: whole largest buckets, then the rest in the buckets that
 compute the fewest padding rows; for any other, rows beyond the largest
-bucket are an error.
+bucket are an error; each call runs at the context bucket its rows need.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
 arrives as `Regions`, one allocation per region; each goes to its input.
@@ -142,21 +142,21 @@ class Dispatcher:
             raise TypeError(f"{self.entry_id} takes {len(self.names)} arguments ({', '.join(self.names)}), got {len(args)}")
         n = args[self.first_act].shape[0]
         largest = self.buckets[-1]
-        context = self._context(args)
         if not self.split:
             if n > largest:
                 raise BundleError(
                     f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
                     "rows per call, or rebuild with a larger bucket"
                 )
-            return self._run(context, args, n)
+            return self._run(self._context(args), args, n)
         rows = self.pieces(n)
         if len(rows) == 1:
-            return self._run(context, args, n)
+            return self._run(self._context(args), args, n)
         pieces, start = [], 0
         for i, m in enumerate(rows):
             part = [a if cache else self._rows(a, i, rows, start, m) for a, cache in zip(args, self.arg_is_cache)]
-            pieces.append(self._run(context, part, m, i))
+            # Each call at the context bucket of its own rows: a long prompt's first chunks read fewer positions.
+            pieces.append(self._run(self._context(part), part, m, i))
             start += m
         join = Resident.joined if self.resident else torch.cat
         if self.single:

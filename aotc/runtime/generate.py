@@ -3,7 +3,9 @@
 The loop is the same for the eager model and for a model bound to a bundle;
 only the entry methods differ. Prompts run in groups of at most `max_batch`;
 sequence i of a group lives in cache slot i, and the slot past the last
-(`slots - 1`) is the scratch slot that padding rows write to.
+(`slots - 1`) is the scratch slot that padding rows write to. A group's prompts
+are prefilled together (CausalLM.prefill_batch: their rows packed into shared
+chunks, where the model can), then decoded together.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AotcError
+from ..kvcache import Regions
 from ..models.base import CausalLM
 from .dispatch import is_bound
 from .threads import ThreadGovernor
@@ -75,6 +78,7 @@ def generate(
     on_token: Callable[[int, Sequence], None] | None = None,
     threads: int | None = None,
     forced: list[list[int]] | None = None,
+    caches: dict | None = None,
 ) -> Generation:
     """Greedy generation. Stops a sequence at any of eos_ids (default: the model
     config's eos_token_ids). on_token(i, sequence) runs after sequence i (of all
@@ -83,7 +87,13 @@ def generate(
     (aotc.runtime.threads); torch's count is restored at the end.
 
     forced: the tokens each sequence takes, in place of its argmax, and where it stops
-    (teacher forcing: another model's logits along these tokens, for runtime.check)."""
+    (teacher forcing: another model's logits along these tokens, for runtime.check).
+
+    caches: the model's caches for `slots` and `max_seq` (model.allocate_caches, with
+    split=is_bound(model)), kept by a caller that serves request after request, as a
+    server keeps them (allocating 400 MB of caches takes longer than a chat turn's
+    prefill). A sequence writes each of its positions before any step reads it, so
+    what an earlier call left is never seen. Default: allocated for this call."""
     if forced is not None:
         if len(forced) != len(prompts) or not all(forced):
             raise AotcError(f"forced: expected a non-empty token list per prompt ({len(prompts)}), got {[len(f) for f in forced]}")
@@ -95,7 +105,10 @@ def generate(
     eos = set(getattr(model.config, "eos_token_ids", ()) if eos_ids is None else eos_ids) if stop_at_eos else set()
     device = next(model.parameters()).device
     # Compiled graphs take a packed cache's regions as allocations of their own.
-    caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
+    if caches is None:
+        caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
+    else:
+        _check_caches(model, caches, slots, max_seq)
     result = Generation([Sequence(list(p)) for p in prompts])
     governor = ThreadGovernor(threads)
     try:
@@ -104,7 +117,7 @@ def generate(
             group = result.sequences[g : g + max_batch]
             t0 = time.perf_counter()
             governor.step()
-            logits = torch.stack([model.prefill(torch.tensor(s.prompt_ids, device=device), i, caches) for i, s in enumerate(group)])
+            logits = model.prefill_batch([torch.tensor(s.prompt_ids, device=device) for s in group], list(range(len(group))), caches)
             result.prefill_s += time.perf_counter() - t0
             result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
             ids = _next(logits, forced, g, 0)
@@ -128,6 +141,22 @@ def generate(
     finally:
         governor.restore()
     return result
+
+
+def _check_caches(model: CausalLM, caches: dict, slots: int, max_seq: int) -> None:
+    """Caches given to generate: every kind of the model's, as allocated for slots and max_seq."""
+    specs = model.cache_specs(slots, max_seq)
+    if set(caches) != set(specs):
+        raise AotcError(f"caches: expected the kinds {sorted(specs)} (model.allocate_caches({slots}, {max_seq})), got {sorted(caches)}")
+    for kind, (shape, _) in specs.items():
+        cache = caches[kind]
+        # A packed kind split into regions: each region holds the rows' leading dims.
+        have = [tuple(t.shape[:-1]) for t in cache.tensors.values()] if isinstance(cache, Regions) else [tuple(cache.shape[:-1])]
+        if any(h != tuple(shape[:-1]) for h in have):
+            raise AotcError(
+                f"caches[{kind!r}]: shape {have[0]} (leading dims), expected {tuple(shape[:-1])}, as "
+                f"model.allocate_caches({slots}, {max_seq}) makes it (slots {slots}, max_seq {max_seq})"
+            )
 
 
 def _next(logits: torch.Tensor, forced, first: int, step: int) -> torch.Tensor:

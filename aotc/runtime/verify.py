@@ -200,12 +200,13 @@ def _rows(bucket: int, buckets: list[int]) -> int:
 
 
 def _drive(model, kind: str, n: int, art, caches: dict, manifest: Manifest, g: torch.Generator) -> None:
-    vocab, max_seq, bucket = model.config.vocab_size, manifest.shapes.max_seq, art.bucket
+    vocab, bucket = model.config.vocab_size, art.bucket
+    context = art.dims.get("context", manifest.shapes.max_seq)  # positions the artifact's context bucket holds
     ids = torch.randint(0, vocab, (n,), generator=g)
-    if kind == "batch":  # positions that the artifact's context bucket holds
-        model.decode(ids, torch.randint(1, art.dims.get("context", max_seq), (n,), generator=g), caches)
+    if kind == "batch":
+        model.decode(ids, torch.randint(1, context, (n,), generator=g), caches)
     else:  # a chunk after a first one, where it fits: the call also reads what the cache holds
-        model.prefill(ids, 0, caches, start=bucket if bucket + n <= max_seq else 0)
+        model.prefill(ids, 0, caches, start=bucket if bucket + n <= context else 0)
 
 
 def _record(model, instance, method: str, drive, caches: dict) -> Call | None:

@@ -1,0 +1,59 @@
+"""Prefill chunks that hold several sequences.
+
+A prefill chunk's rows are the tokens of one or more sequences, packed one after
+another: row i is position positions[i] of the sequence in cache slot slots[i]. The
+first row's sequence may continue one whose earlier positions the cache holds (a
+prompt longer than a chunk, which the dispatcher cuts into consecutive calls); every
+other sequence starts in the chunk, at position 0. So a row attends to the cache
+positions of its sequence before the chunk (the first sequence's only) and to the
+chunk's own rows of its sequence up to its position: a chunk of C rows reads one
+slot's cache and C rows more, however many sequences it holds.
+
+Rows of several sequences in one chunk graph, rather than chunk graphs with a batch
+dimension: a batch of short prompts (chat turns) fills one chunk bucket instead of
+padding each prompt to its own chunk, and the build gains no graph per (batch,
+chunk) pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Packed:
+    ids: torch.Tensor  # [N] the prompts' tokens, one after another
+    positions: torch.Tensor  # [N] each token's position in its sequence
+    slots: torch.Tensor  # [N] each token's cache slot
+    last: torch.Tensor  # [n] the row of each prompt's last token
+
+
+def pack(prompts: list[torch.Tensor], slots: list[int]) -> Packed:
+    """Prompts (each from position 0) for the sequences in `slots`, as one prefill's rows."""
+    device = prompts[0].device
+    lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
+    rows = torch.arange(int(lengths.sum()), device=device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return Packed(
+        ids=torch.cat(prompts),
+        positions=rows - starts.repeat_interleave(lengths),
+        slots=torch.tensor(slots, device=device).repeat_interleave(lengths),
+        last=starts + lengths - 1,
+    )
+
+
+def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
+    """[C, cached + C] bool: the keys each row of a packed chunk attends to; first the
+    cache's `cached` positions of the first row's sequence (those before the chunk),
+    then the chunk's rows (those of the row's own sequence, up to its position).
+    Padding rows (the scratch slot, position 0) see each other only."""
+    q_pos = positions[:, None]  # [C, 1]
+    k_pos = torch.arange(cached, device=positions.device)[None, :]
+    earlier = (k_pos < positions[:1]) & (slots == slots[:1])[:, None]
+    own = (slots[:, None] == slots[None, :]) & (positions[None, :] <= q_pos)
+    if window is not None:
+        earlier = earlier & (k_pos > q_pos - window)
+        own = own & (positions[None, :] > q_pos - window)
+    return torch.cat([earlier, own], dim=1)

@@ -1,0 +1,173 @@
+"""Packed prefill (aotc.models.packing): a batch's prompts prefilled in shared chunks,
+eager and compiled, and caches kept across generate calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotc.errors import AotcError
+from aotc.kvcache import kv_cache_record
+from aotc.models.base import load_model
+from aotc.models.packing import pack, packed_visible
+from aotc.models.tiny import write_tiny
+from aotc.runtime import Bundle, generate
+
+from .conftest import record_contexts, wrap_steps
+
+T, F = True, False
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packing")
+    # mistral's tiny model attends to a 48-token window: a 60-token prompt outgrows it
+    return {"llama": tiny_dir, "mistral": write_tiny(root / "mistral", arch="mistral"), "deepseek_v4": write_tiny(root / "v4", arch="deepseek_v4")}
+
+
+def test_pack_puts_prompts_one_after_another():
+    p = pack([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [2, 0])
+    assert p.ids.tolist() == [5, 6, 7, 8, 9]
+    assert p.positions.tolist() == [0, 1, 2, 0, 1]
+    assert p.slots.tolist() == [2, 2, 2, 0, 0]
+    assert p.last.tolist() == [2, 4]
+
+
+def test_packed_visible_lets_each_row_see_its_own_sequence_only():
+    """A chunk: the sequence in slot 2 at positions 3 and 4 (0 to 2 cached before the
+    chunk), the one in slot 0 from position 0, and a padding row (scratch slot 9)."""
+    positions, slots = torch.tensor([3, 4, 0, 1, 2, 0]), torch.tensor([2, 2, 0, 0, 0, 9])
+    cache, chunk = packed_visible(positions, slots, cached=5).split([5, 6], dim=1)
+    assert cache.tolist() == [[T, T, T, F, F]] * 2 + [[F] * 5] * 4
+    assert chunk.tolist() == [
+        [T, F, F, F, F, F],
+        [T, T, F, F, F, F],
+        [F, F, T, F, F, F],
+        [F, F, T, T, F, F],
+        [F, F, T, T, T, F],
+        [F, F, F, F, F, T],
+    ]
+    cache, chunk = packed_visible(positions, slots, cached=5, window=2).split([5, 6], dim=1)
+    assert cache[:2].tolist() == [[F, F, T, F, F], [F] * 5]  # position 3 sees 2 and 3; 4 sees 3 and 4
+    assert chunk[:2, :2].tolist() == [[T, F], [T, T]]
+    assert chunk[4].tolist() == [F, F, F, T, T, F]
+
+
+@pytest.mark.parametrize("arch, modeling", [("llama", "aotc"), ("mistral", "aotc"), ("llama", "transformers"), ("mistral", "transformers")])
+def test_a_packed_prefill_gives_each_prompt_what_transformers_gives_it_alone(folders, arch, modeling):
+    """Three prompts (one past mistral's window) in one packed prefill: each prompt's last
+    logits are those of transformers' model run on that prompt alone, and the caches are
+    those that separate prefills write."""
+    from transformers import AutoModelForCausalLM
+
+    folder = folders[arch]
+    model = load_model(folder, modeling=modeling).model
+    ps = [torch.tensor(p) for p in prompts(5, 60, 21)]
+    packed = model.allocate_caches(4, 128)
+    logits = model.prefill_batch(ps, [0, 1, 2], packed)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.stack([hf(p[None]).logits[0, -1] for p in ps])
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    separate = model.allocate_caches(4, 128)
+    for i, p in enumerate(ps):
+        model.prefill(p, i, separate)
+    for kind in packed:
+        torch.testing.assert_close(packed[kind], separate[kind], atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_prefill_writes_fp8_caches_as_separate_prefills_do(tiny_dir):
+    model = load_model(tiny_dir, kv_cache=kv_cache_record("fp8", "e4m3fn")).model
+    ps = [torch.tensor(p) for p in prompts(9, 33, 4)]
+    packed, separate = model.allocate_caches(4, 64), model.allocate_caches(4, 64)
+    logits = model.prefill_batch(ps, [0, 1, 2], packed)
+    want = torch.stack([model.prefill(p, i, separate) for i, p in enumerate(ps)])
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    # The same bytes, but where float32 projections of another row count (last bits apart)
+    # fall on either side of an fp8 rounding boundary: measured 21 of 278528 bytes on the tiny model.
+    for kind in packed:
+        differ = (packed[kind].view(torch.uint8) != separate[kind].view(torch.uint8)).sum().item()
+        assert differ <= packed[kind].numel() // 1000, (kind, differ)
+
+
+@pytest.fixture()
+def bound(tiny_dir, tiny_bundle):
+    """The tiny model bound to the session's export bundle: chunks 16 and 64, batches 1, 2, 4."""
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(tiny_bundle.out)
+    bundle.bind(loaded.model)
+    return loaded.model, bundle
+
+
+def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
+    """Prompts of 5, 30 and 70 tokens: 105 rows as chunks 64 + 16 + 16 + 16, four calls
+    per layer where prompt after prompt takes five (16; 16 + 16; 64 + 16); the tokens and
+    logits are eager's."""
+    model, bundle = bound
+    ps = prompts(5, 30, 70)
+    used = []
+    wrap_steps(model.model.layers[1].prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    compiled = generate(model, ps, 6, **kw)
+    assert used == [64, 16, 16, 16]
+    Bundle.unbind(model)
+    eager = generate(model, ps, 6, **kw)
+    for c, e in zip(compiled.sequences, eager.sequences):
+        assert c.new_ids == e.new_ids
+        torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lengths, contexts", [((70,), [64] * 4 + [256]), ((3, 70), [64] * 4 + [256])])
+def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, lengths, contexts):
+    """Chunks of 16 with context buckets 64 and 256: the chunks that end by position 63
+    read 64 cache positions, the one past it 256; the logits are eager's."""
+    loaded = load_model(tiny_dir)
+    bundle = Bundle.load(context_bundle)
+    bundle.bind(loaded.model)
+    used = record_contexts(loaded.model.model.layers[1].prefill)
+    ps = [torch.tensor(p) for p in prompts(*lengths)]
+    slots = list(range(len(ps)))
+    got = loaded.model.prefill_batch(ps, slots, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True))
+    assert used == contexts
+    Bundle.unbind(loaded.model)
+    want = loaded.model.prefill_batch(ps, slots, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
+def test_caches_kept_across_generate_calls_give_fresh_caches_tokens(folders, arch):
+    """A server's caches: a request of long prompts, then one of short prompts in the same
+    caches, decodes as the short request does in new ones (what the long one left is never
+    read, DeepSeek V4's compressed caches included)."""
+    model = load_model(folders[arch]).model
+    kw = dict(max_batch=3, max_seq=128, slots=4, keep_logits=True, stop_at_eos=False)
+    kept = model.allocate_caches(4, 128)
+    generate(model, prompts(70, 50, 90, seed=1), 8, caches=kept, **kw)
+    again = generate(model, prompts(6, 20, 11), 8, caches=kept, **kw)
+    fresh = generate(model, prompts(6, 20, 11), 8, **kw)
+    for a, f in zip(again.sequences, fresh.sequences):
+        assert a.new_ids == f.new_ids
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(f.logits), atol=1e-5, rtol=1e-5)
+
+
+def test_caches_kept_across_calls_on_a_bound_model(bound):
+    model, bundle = bound
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+    kept = model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    generate(model, prompts(40, 70, seed=1), 4, caches=kept, **kw)
+    again = generate(model, prompts(7, 3), 6, caches=kept, **kw)
+    assert [s.new_ids for s in again.sequences] == [s.new_ids for s in generate(model, prompts(7, 3), 6, **kw).sequences]
+
+
+def test_caches_of_another_shape_are_an_error_naming_what_to_allocate(tiny_dir):
+    model = load_model(tiny_dir).model
+    kw = dict(max_batch=2, max_seq=64, slots=3)
+    with pytest.raises(AotcError, match=r"caches\['k'\]: shape .* expected .*model.allocate_caches\(3, 64\)"):
+        generate(model, prompts(4), 2, caches=model.allocate_caches(3, 32), **kw)
+    with pytest.raises(AotcError, match=r"caches: expected the kinds \['k', 'v'\]"):
+        generate(model, prompts(4), 2, caches={"k": model.allocate_caches(3, 64)["k"]}, **kw)
