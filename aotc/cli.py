@@ -129,8 +129,8 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
 MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors).")
 BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
 PREFILL_CHUNK = typer.Option(
-    "16,128", "--prefill-chunk",
-    help="Prefill chunk lengths, comma-separated: a prompt runs in whole largest chunks, then its rest in the chunks that pad it least; a batch's prompts share chunks. Each is built per context bucket.",
+    "16,64", "--prefill-chunk",
+    help="Prefill chunk lengths, comma-separated: a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
 )  # fmt: skip
 MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
 CONTEXT = typer.Option(None, "--context", help="With --entry and --bucket: the artifact of this context bucket (default: the entry's smallest).")

@@ -105,16 +105,16 @@ def bound(tiny_dir, tiny_bundle):
 
 
 def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
-    """Prompts of 5, 30 and 70 tokens: 105 rows as chunks 64 + 16 + 16 + 16, four calls
-    per layer where prompt after prompt takes five (16; 16 + 16; 64 + 16); the tokens and
-    logits are eager's."""
+    """Prompts of 5, 30 and 70 tokens: 105 rows as chunks 64 + 64, two calls per layer
+    where prompt after prompt takes five (16; 16 + 16; 64 + 16); the tokens and logits
+    are eager's."""
     model, bundle = bound
     ps = prompts(5, 30, 70)
     used = []
     wrap_steps(model.model.layers[1].prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
     kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
     compiled = generate(model, ps, 6, **kw)
-    assert used == [64, 16, 16, 16]
+    assert used == [64, 64]
     Bundle.unbind(model)
     eager = generate(model, ps, 6, **kw)
     for c, e in zip(compiled.sequences, eager.sequences):

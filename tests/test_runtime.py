@@ -45,7 +45,7 @@ def test_bind_replaces_entries_with_dispatchers(bound):
 
 @pytest.mark.parametrize("lengths", [(9,), (5, 30, 70)])
 def test_bundle_generation_equals_eager(bound, lengths):
-    """Batch 1, and batch 3 padded into bucket 4; prompt 70 runs as chunks 64 + 16."""
+    """Batch 1, and batch 3 padded into bucket 4, its 105 prompt tokens packed into chunks 64 + 64."""
     loaded, bundle = bound
     ps = prompts(*lengths)
     kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
@@ -199,10 +199,11 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
         assert used and set(used) == {bucket}, (batch, used)
 
 
-@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (80, [64, 16]), (40, [16, 16, 16]), (32, [16, 16]), (17, [16, 16]), (64, [64]), (8, [16])])
-def test_a_prompt_runs_in_the_chunks_that_pad_it_least(bound, length, chunks):
-    """Whole 64-token chunks, then the rest in the chunk buckets (16, 64) that compute the
-    fewest rows: 40 tokens as 16 + 16 + 8 (48 rows), not one 64; logits are eager's."""
+@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (80, [64, 16]), (40, [64]), (32, [64]), (17, [64]), (16, [16]), (64, [64]), (8, [16])])
+def test_a_prompt_runs_in_the_chunks_that_cost_least(bound, length, chunks):
+    """Whole 64-token chunks, then the rest in the chunk buckets (16, 64) at the least cost,
+    a call counted as 48 rows: 17 to 40 tokens as one 64 (64 + 48), not 16 + 16 (32 + 96);
+    logits are eager's."""
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []

@@ -254,14 +254,16 @@ class LlamaAttention(nn.Module):
         # may continue a sequence the cache holds, the others start here
         c, rep, dtype = x.shape[0], self.heads // self.kv_heads, x.dtype
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
-        q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
+        # A KV head's query heads and rows as the rows of one matmul against its keys: a
+        # broadcast over the query heads would copy the keys once per query head.
+        q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * c, self.head_dim)
         # The first sequence's cached positions, then the chunk's rows as the cache holds them.
         first, own = (slots[:1],), (slots, slice(None), positions)
         keys = torch.cat([load(self.k_rows, k_cache, first, dtype)[0], load(self.k_rows, k_cache, own, dtype).transpose(0, 1)], dim=1)  # [kv, S + C, hd]
         values = torch.cat([load(self.v_rows, v_cache, first, dtype)[0], load(self.v_rows, v_cache, own, dtype).transpose(0, 1)], dim=1)
-        mask = packed_visible(positions, slots, k_cache.shape[2], self.window)  # [C, S + C]
-        out = softmax_attend(q, keys[:, None], values[:, None], mask, self.scale)  # [kv, rep, C, hd]
-        return self.o_proj(out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
+        mask = packed_visible(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
+        out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
+        return self.o_proj(out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):

@@ -6,8 +6,8 @@ scratch slot), calls the compiled artifact with this instance's weights, and
 slices the outputs back. An entry built per context bucket runs the graph of
 the smallest bucket that holds the largest position, on views of its caches'
 first positions. An entry that allows it (prefill chunks) runs its rows as
-consecutive calls: whole largest buckets, then the rest in the buckets that
-compute the fewest padding rows; for any other, rows beyond the largest
+consecutive calls: whole largest buckets, then the rest at the least cost
+(rows computed plus a call's fixed cost, _covers); for any other, rows beyond the largest
 bucket are an error; each call runs at the context bucket its rows need.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
@@ -132,7 +132,7 @@ class Dispatcher:
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
         # A split entry's rows past the last whole largest bucket, r of them: the row counts of
-        # the calls that run them with the fewest padding rows (then the fewest calls).
+        # the calls that run them at the least cost (_covers).
         self.cover = _covers(tuple(self.buckets)) if self.split else {}
         # Per graph input: (argument index, region span, is a cache, dtype, pad value)
         self.plan = list(zip(self.arg_of, self.span, self.is_cache, self.dtypes, self.pads))
@@ -174,8 +174,9 @@ class Dispatcher:
 
     def pieces(self, n: int) -> list[int]:
         """The rows of each consecutive call for n rows of a split entry: whole largest
-        buckets, then the rest in the buckets that pad it least (a prompt's tail of 203
-        tokens with chunks 128 and 512: two calls of 128, not one of 512)."""
+        buckets, then the rest at the least cost (_covers: a prompt's tail of 203 tokens
+        with chunks 128 and 512 as two calls of 128, not one of 512; 40 tokens with chunks
+        16 and 64 as one call of 64, not three of 16)."""
         largest = self.buckets[-1]
         whole, rest = divmod(n, largest)
         return [largest] * whole + (self.cover[rest] if rest else [])
@@ -300,14 +301,22 @@ class Dispatcher:
         return f"Dispatcher({self.entry_id}, buckets={self.buckets})"
 
 
+# What a call costs beyond its rows, in rows: a prefill call of few rows is bound by
+# reading the layer's weights once (SmolLM2-135M, 2 CPU threads, a layer: fp32 1.53 ms
+# for 16 rows and 2.94 ms for 64, about 36 rows' worth a call; bf16 on AMX about 80); so
+# 38 rows run as one call of 64, not three of 16. A GPU's call costs more rows still.
+CALL_ROWS = 48
+
+
 @functools.cache  # one per bucket set, not per layer's dispatcher
 def _covers(buckets: tuple[int, ...]) -> dict[int, list[int]]:
     """For r from 1 to the largest bucket - 1: the row counts of consecutive calls that
-    run r rows with the fewest rows computed (buckets padded), then the fewest calls."""
+    run r rows at the least cost (rows computed, buckets padded, plus CALL_ROWS a call),
+    then with the fewest rows computed."""
     best: dict[int, tuple[int, int, list[int]]] = {}
     for r in range(1, buckets[-1]):
-        options = [(b, 1, [r]) for b in buckets if b >= r]
-        options += [(b + best[r - b][0], 1 + best[r - b][1], [b] + best[r - b][2]) for b in buckets if b < r]
+        options = [(b + CALL_ROWS, b, [r]) for b in buckets if b >= r]
+        options += [(b + CALL_ROWS + best[r - b][0], b + best[r - b][1], [b] + best[r - b][2]) for b in buckets if b < r]
         best[r] = min(options, key=lambda o: o[:2])
     return {r: calls for r, (_, _, calls) in best.items()}
 
