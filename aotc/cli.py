@@ -106,6 +106,35 @@ def init_tiny(
     console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}")
 
 
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="A bf16 or fp32 model folder, or a Hugging Face Hub id (ORG/NAME) in the local cache."),
+    out: Path = typer.Option(..., "-o", "--out", help="Folder to write: new or empty, outside MODEL."),
+    fmt: str = typer.Option("fp8", "--format", help="fp8 (the decoder layers' linear weights as float8_e4m3fn, a float32 scale per 128x128 block) | fp4-experts (also the routed experts as packed fp4, an E8M0 scale per 32)."),
+    head: str = typer.Option("keep", "--head", help="keep (the LM head at the source precision) | fp8 (the head too, as llama.cpp's Q8_0 does; a head tied to the embedding is written as its own tensor, the embedding kept)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="With a Hub id: a branch, tag or commit."),
+    plugin: list[str] = PLUGIN,
+):
+    """Write a low-precision checkpoint of a model folder, in the formats aotc builds from (see README, Low-precision weights)."""
+    from .models.hub import resolve_model
+    from .plugins import load_plugins
+    from .quantize import quantize_model
+
+    try:
+        load_plugins(plugin)
+        source, _ = resolve_model(model, revision)
+        done = quantize_model(source, out, fmt, head)
+    except AotcError as e:
+        _fail(e)
+    except OSError as e:  # a full or read-only disk: the folder is written under a temporary name, renamed when whole
+        _fail(_disk_error(e))
+    counts = {f: sum(1 for v in done.tensors.values() if v == f) for f in ("fp8", "fp4")}
+    what = " and ".join(f"{n} tensors to {f}" for f, n in counts.items() if n)
+    console.print(f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False)
+    console.print(f"LM head: {done.head}", highlight=False)
+    console.print(f"wrote {done.out}", highlight=False)
+
+
 def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, **more):
     from .build import BuildOptions, parse_buckets, parse_flags
 

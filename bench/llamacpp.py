@@ -4,9 +4,10 @@
 
 llama.cpp is what a user on a CPU would pick instead. This builds it once, from
 the source distribution of llama-cpp-python on PyPI (its vendored llama.cpp,
-GGML_NATIVE=ON, as a user installing it from source gets), into a cache folder
+GGML_NATIVE=ON, as a user installing it from source gets; on a CPU with AMX, its
+other extensions without AMX, whose Q8_0 path segfaults there), into a cache folder
 keyed by the version and this CPU's instruction set. The bench's model folder is
-converted to GGUF F32, F16 and Q8_0 by llama.cpp's own convert_hf_to_gguf.py,
+converted to GGUF F32, F16, BF16 and Q8_0 by llama.cpp's own convert_hf_to_gguf.py,
 and each is timed at batch 1: the same prompt ids, the same thread count, greedy
 decoding, decode tokens per second. At F32 the greedy tokens are compared with
 aotc's.
@@ -31,7 +32,7 @@ from filelock import FileLock
 
 LLAMA_CPP_PYTHON = "0.3.36"
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
-FORMATS = {"F32": ("f32", 4.0), "F16": ("f16", 2.0), "Q8_0": ("q8_0", 34 / 32)}  # outtype, bytes per weight
+FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # convert_hf_to_gguf.py --outtype
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aotc" / "bench-peers"
 
 
@@ -46,12 +47,34 @@ def missing_tools() -> str | None:
     return None
 
 
+# llama.cpp's AMX matrix multiply (the Q8_0 and Q4 paths on a CPU with AMX) segfaults
+# on this VM's Xeon (ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open), and a
+# native build compiles it in wherever the CPU has AMX. There it is built for the CPU's
+# own x86 extensions, named one by one, without AMX: what a user does after the crash.
+GGML_FLAGS = {
+    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2", "avxvnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512vnni": "GGML_AVX512_VNNI", "avx512bf16": "GGML_AVX512_BF16",
+}  # fmt: skip
+
+
+def cmake_args() -> str:
+    """GGML_NATIVE=ON, or on a CPU with AMX its other extensions (GGML_FLAGS) without AMX."""
+    from aotc.backends.inductor import host_isa
+
+    common = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    isa = host_isa()
+    if "amxint8" not in isa:
+        return f"-DGGML_NATIVE=ON {common}"
+    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{option}=ON" for flag, option in GGML_FLAGS.items() if flag in isa), common])
+
+
 def build_dir(cache: Path) -> Path:
-    """Where this version, built for this CPU (GGML_NATIVE), lives in the cache."""
+    """Where this version, built for this CPU (cmake_args), lives in the cache."""
     from aotc.backends.inductor import host_isa
 
     isa = hashlib.sha256(" ".join(sorted(host_isa())).encode()).hexdigest()[:12]
-    return cache / f"llama-cpp-python-{LLAMA_CPP_PYTHON}-{platform.machine()}-{isa}"
+    native = "" if "amxint8" not in host_isa() else "-no-amx"
+    return cache / f"llama-cpp-python-{LLAMA_CPP_PYTHON}-{platform.machine()}-{isa}{native}"
 
 
 def _run(command: list[str], log: Path, **env: str) -> None:
@@ -88,8 +111,7 @@ def ensure_llama_cpp(cache: Path, say=print) -> Path:
             with tarfile.open(archive) as tar:
                 tar.extractall(tmp / "src", filter="data")
             (src,) = (tmp / "src").iterdir()
-            cmake_args = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-            _run([*pip, "install", "--target", str(tmp / "py"), str(src)], log, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+            _run([*pip, "install", "--target", str(tmp / "py"), str(src)], log, CMAKE_ARGS=cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
             # convert_hf_to_gguf.py reads the config and tokenizer through transformers.
             _run([*pip, "install", "--target", str(tmp / "convert"), "transformers", "sentencepiece"], log)
             # Kept of the source: llama.cpp's converter, the package it imports, and gguf-py.
@@ -128,11 +150,11 @@ def convert(built: Path, model_dir: Path, fmt: str, out_dir: Path) -> Path:
         log = out_dir / f"convert-{fmt}.log"
         with open(log, "w") as f:
             result = subprocess.run(
-                [sys.executable, "-c", _CONVERT, str(built / "converter"), str(model_dir), FORMATS[fmt][0], str(out) + ".tmp"],
+                [sys.executable, "-c", _CONVERT, str(built / "converter"), str(model_dir), FORMATS[fmt], str(out) + ".tmp"],
                 stdout=f, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         if result.returncode != 0:
-            raise Skipped(f"convert_hf_to_gguf.py --outtype {FORMATS[fmt][0]} failed (exit {result.returncode}); see {log}")
+            raise Skipped(f"convert_hf_to_gguf.py --outtype {FORMATS[fmt]} failed (exit {result.returncode}); see {log}")
         os.replace(str(out) + ".tmp", out)
     return out
 
@@ -168,6 +190,18 @@ def decode(built: Path, gguf: Path, prompt: list[int], new_tokens: int, threads:
     out = json.loads(result.stdout.strip().splitlines()[-1])
     out["tokens_per_s"] = (new_tokens - 1) / out["decode_s"]
     return out
+
+
+def bytes_per_step(gguf_file: Path) -> int:
+    """The bytes of weights one decode step reads, from the GGUF's own tensor table: all
+    of them but the embedding table, which a step reads a row of, unless the model has no
+    `output.weight` and the table is its head too (tied embeddings)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_file).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
 
 
 def agreement(a: list[int], b: list[int]) -> int:

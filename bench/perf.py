@@ -57,7 +57,11 @@ def main() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
         run = Run(root, quick=args.quick, peers_cache=args.peers_cache, backend=args.backend)
         for name in chosen:
-            results[name] = {**sections[name](run), "ran": ran}
+            # The load average before says whether another process shared the cores.
+            before = os.getloadavg()
+            found = sections[name](run)
+            load = {"before": before, "after": os.getloadavg()}
+            results[name] = {**found, "ran": {**ran, "load average (1, 5, 15 min)": load, "ended": time.strftime("%Y-%m-%d %H:%M:%S")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, encode(results))
     console.print(f"wrote {args.out}")

@@ -285,6 +285,42 @@ def test_peers_section_is_skipped_with_the_reason_without_cmake(bench, monkeypat
     assert not run.peers_cache.exists()
 
 
+def test_llama_cpp_builds_native_but_without_amx_on_a_cpu_with_amx(bench, monkeypatch):
+    """llama.cpp's AMX matrix multiply segfaults on this VM's Xeon: there the build names
+    the CPU's other extensions and none of AMX, in a cache folder of its own."""
+    import llamacpp
+
+    from aotc.backends import inductor
+
+    for isa, native in ((frozenset({"avx2", "fma", "avx512f", "avx512bf16"}), True), (frozenset({"avx2", "fma", "avx512f", "avx512bf16", "amxint8", "amxtile"}), False)):
+        monkeypatch.setattr(inductor, "host_isa", lambda isa=isa: isa)
+        args = llamacpp.cmake_args().split()
+        assert ("-DGGML_NATIVE=ON" in args) == native and ("-DGGML_NATIVE=OFF" in args) != native
+        assert not any("AMX" in a for a in args)
+        assert native or {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_BF16=ON"} <= set(args)
+        assert llamacpp.build_dir(Path("/c")).name.endswith("-no-amx") != native
+
+
+def test_a_gguf_step_reads_every_tensor_but_an_embedding_that_is_not_the_head(bench, tmp_path):
+    import llamacpp
+    import numpy as np
+    from gguf import GGUFWriter
+
+    def gguf(name, tensors):
+        w = GGUFWriter(str(tmp_path / name), "llama")
+        for n, shape in tensors.items():
+            w.add_tensor(n, np.zeros(shape, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    layers = {"token_embd.weight": (64, 8), "blk.0.attn_q.weight": (8, 8)}
+    assert llamacpp.bytes_per_step(gguf("tied.gguf", layers)) == 4 * (64 * 8 + 8 * 8)  # the table is the head
+    assert llamacpp.bytes_per_step(gguf("untied.gguf", {**layers, "output.weight": (64, 8)})) == 4 * (8 * 8 + 64 * 8)
+
+
 @pytest.mark.slow  # two 30-layer builds, and transformers at both precisions
 def test_smollm2_rows_run_the_precision_they_name_and_keep_to_the_rule(bench):
     run, sections = bench

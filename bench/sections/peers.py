@@ -1,71 +1,177 @@
-"""peers: (with --peers) llama.cpp, built once from llama-cpp-python's source
-distribution into --peers-cache: the ~100M model (tiny under --quick) as GGUF F32, F16
-and Q8_0 against aotc inductor (or --backend) and eager, batch-1 greedy decode tokens/s
-with the same prompt ids and threads; greedy agreement at F32; issue 19's target (aotc
->= llama.cpp F32)."""
+"""peers: (with --peers) llama.cpp beside aotc at every precision users run, on the ~100M
+model (tiny under --quick) and on SmolLM2-135M-Instruct (bench/smollm2.py; not under
+--quick), in one run. llama.cpp is built once from llama-cpp-python's source distribution
+into --peers-cache (bench/llamacpp.py).
+
+Each model comes as an fp32 folder and a bf16 folder (the 100m model's: its fp32 weights
+rounded to bf16). aotc runs the fp32 folder, the bf16 folder, and two fp8 checkpoints that
+`aotc quantize` writes from the bf16 folder (the LM head kept in bf16, and in fp8 as Q8_0
+has it); llama.cpp's own converter makes F32 and F16 from the fp32 folder and BF16 and
+Q8_0 from the bf16 folder. Every engine decodes the same prompt ids greedily at batch 1
+with the same threads (tokens/s, best of 3); a row gives the bytes of weights that one
+decode step reads (aotc: what its graphs are handed at bind; llama.cpp: the GGUF's
+tensors, the embedding table only where it is also the head) and how many greedy tokens
+equal aotc fp32's. The fp8 checkpoints' quality beside their speed: eager, teacher-forced
+over the passage tests/data/declaration.txt, the largest logit difference and the top-1
+agreement against the bf16 source and against fp32. Issue 19's target: aotc fp32 >=
+llama.cpp F32."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import torch
+from safetensors.torch import load_file, save_file
 
 import llamacpp
+from aotc.chat import render_user_turn
 from aotc.models.base import load_model
+from aotc.quantize import quantize_model
 from aotc.runtime import Bundle, generate
-from common import BUCKETS, MAX_SEQ, Run, console, print_misses, section, table
+from common import HERE, Run, console, print_misses, section, table
+from sections.lowp import read_by_graphs
+from smollm2 import smollm2
 
 PEER_PROMPT, PEER_NEW = 16, 128
+PASSAGE = HERE.parent / "tests" / "data" / "declaration.txt"
+PASSAGE_TOKENS = 800
+CHAT_PROMPT = "Write a haiku about the sea."
+# (engine, format): (the folder it is made from, what makes it)
+AOTC = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "fp8, fp8 head": "bf16"}
+LLAMA_CPP = {"F32": "fp32", "F16": "fp32", "BF16": "bf16", "Q8_0": "bf16"}
+# Like against like: aotc's format, llama.cpp's
+PAIRS = (("fp32", "F32"), ("bf16", "BF16"), ("bf16", "F16"), ("fp8, fp8 head", "Q8_0"), ("fp8", "Q8_0"))
 
 
 @section("peers", optional=True)
 def peers(run: Run) -> dict:
-    name = run.main
-    model_dir = run.model(name)
     try:
         built = llamacpp.ensure_llama_cpp(run.peers_cache, say=lambda m: console.print(m, highlight=False))
     except llamacpp.Skipped as e:
         console.print(f"peers skipped: {e}", highlight=False)
         return {"skipped": str(e)}
-    model = load_model(model_dir).model
-    non_embedding = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.embed_tokens"))
-    prompt = torch.randint(3, 500, (PEER_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
-    threads = torch.get_num_threads()
-    bundle = Bundle.load(run.bundle(model_dir, batch_buckets=BUCKETS, chunk_buckets=(128,)))
-
-    def ours(bound: bool) -> dict:
-        if bound:
-            bundle.bind(model)
-        try:
-            g = generate(model, [prompt], PEER_NEW, max_batch=1, max_seq=MAX_SEQ, slots=max(BUCKETS) + 1, stop_at_eos=False)
-        finally:
-            Bundle.unbind(model)
-        return {"tokens": g.sequences[0].new_ids, "decode_s": g.decode_s, "tokens_per_s": g.decode_tokens_per_s}
-
-    runs = {(run.aotc, "fp32"): llamacpp.timed(lambda: ours(True)), ("eager PyTorch", "fp32"): llamacpp.timed(lambda: ours(False))}
-    for fmt in llamacpp.FORMATS:
-        gguf = llamacpp.convert(built, model_dir, fmt, run.root)
-        runs["llama.cpp", fmt] = llamacpp.timed(lambda: llamacpp.decode(built, gguf, prompt, PEER_NEW, threads))
-    reference = runs[run.aotc, "fp32"]
-    rows = []
-    for (engine, fmt), result in runs.items():
-        per_weight = 4.0 if fmt == "fp32" else llamacpp.FORMATS[fmt][1]
-        rows.append({
-            "engine": engine, "format": fmt, "tokens/s": result["tokens_per_s"],
-            "GB/s of weights": non_embedding * per_weight * result["tokens_per_s"] / 1e9,
-            "aotc / this, tokens/s": reference["tokens_per_s"] / result["tokens_per_s"],
-            "greedy tokens equal to aotc's": f"{llamacpp.agreement(result['tokens'], reference['tokens'])} of {PEER_NEW}",
-        })  # fmt: skip
-    f32 = runs["llama.cpp", "F32"]
-    misses = []
-    if reference["tokens_per_s"] < f32["tokens_per_s"]:
-        misses.append(f"{run.aotc} decodes {reference['tokens_per_s']:.0f} tokens/s at batch 1, llama.cpp F32 {f32['tokens_per_s']:.0f}")
-    if llamacpp.agreement(f32["tokens"], reference["tokens"]) < PEER_NEW:
-        misses.append(f"llama.cpp F32's greedy tokens differ from aotc's after {llamacpp.agreement(f32['tokens'], reference['tokens'])}")
-    table(f"batch-1 greedy decode, {name} model, {PEER_PROMPT}-token prompt, {PEER_NEW} new tokens, {threads} threads", rows)
-    print_misses(misses)
-    return {
-        "model": name, "llama_cpp_python": llamacpp.LLAMA_CPP_PYTHON, "build": "GGML_NATIVE=ON, from the PyPI source distribution",
-        "prompt_tokens": PEER_PROMPT, "new_tokens": PEER_NEW, "threads": threads, "batch": 1,
-        "definitions": {"tokens/s": "greedy decode steps after the first token, per second, best of 3",
-                        "GB/s of weights": "every weight but the embedding table, at the format's bytes per weight, per token"},
-        "target": f"{run.aotc} tokens/s >= llama.cpp F32's, same model and run", "misses": misses, "rows": rows,
+    models = {run.main: _synthetic(run)}
+    if not run.quick:
+        models["SmolLM2-135M-Instruct"] = {"fp32": smollm2("float32"), "bf16": smollm2("bfloat16"), "chat": True}
+    results = {
+        "llama_cpp_python": llamacpp.LLAMA_CPP_PYTHON, "build": f"from the PyPI source distribution, CMAKE_ARGS={llamacpp.cmake_args()}",
+        "new_tokens": PEER_NEW, "threads": torch.get_num_threads(), "batch": 1,
+        "definitions": {
+            "tokens/s": "greedy decode steps after the first token, per second, best of 3",
+            "MB read per step": "the weights one decode step reads: aotc, what bind hands its graphs; llama.cpp, the GGUF's tensors but an embedding table that is not also the head",
+        },
+        "target": f"{run.aotc} fp32 tokens/s >= llama.cpp F32's, same model and run", "models": {},
     }  # fmt: skip
+    misses = []
+    for label, folders in models.items():
+        results["models"][label] = found = _compare(run, built, label, folders)
+        misses += found["misses"]
+    results["misses"] = misses
+    print_misses(misses)
+    return results
+
+
+def _synthetic(run: Run) -> dict:
+    """The run's main model, and its weights rounded to bf16 in a folder of their own."""
+    fp32 = run.model(run.main)
+    bf16 = run.root / "models" / f"{run.main}-bf16"
+    if not bf16.is_dir():
+        bf16.mkdir(parents=True)
+        shutil.copy(fp32 / "tokenizer.json", bf16)
+        config = json.loads((fp32 / "config.json").read_text())
+        (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2))
+        weights = load_file(fp32 / "model.safetensors")
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}, str(bf16 / "model.safetensors"))
+    return {"fp32": fp32, "bf16": bf16, "chat": False}
+
+
+def _compare(run: Run, built, label: str, folders: dict) -> dict:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folders["fp32"] / "tokenizer.json"))
+    if folders["chat"]:
+        prompt = tokenizer.encode(render_user_turn(folders["fp32"], CHAT_PROMPT), add_special_tokens=False).ids
+    else:
+        prompt = torch.randint(3, 500, (PEER_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    threads = torch.get_num_threads()
+    where = run.root / "peers" / label.replace(" ", "-")
+    where.mkdir(parents=True, exist_ok=True)
+    checkpoints = {"fp32": folders["fp32"], "bf16": folders["bf16"]}
+    made = {}
+    for fmt, head in (("fp8", "keep"), ("fp8, fp8 head", "fp8")):
+        out = where / fmt.replace(", ", "-").replace(" ", "-")
+        if not out.is_dir():
+            made[fmt] = quantize_model(folders["bf16"], out, "fp8", head=head)
+        checkpoints[fmt] = out
+
+    runs, rows = {}, []
+    for fmt in AOTC:
+        model_dir = checkpoints[fmt]
+        bundle = Bundle.load(run.bundle(model_dir, f"peers-{label}", batch_buckets=(1,), chunk_buckets=(64,), max_seq=256))
+        model = load_model(model_dir, stored=bundle.stored_params()).model
+        bundle.bind(model)
+        runs[run.aotc, fmt] = llamacpp.timed(lambda: _ours(model, prompt))
+        runs[run.aotc, fmt]["bytes"] = sum(read_by_graphs(bundle, model)[0].values())
+        if fmt == "fp32":
+            Bundle.unbind(model)
+            runs["eager PyTorch", "fp32"] = llamacpp.timed(lambda: _ours(model, prompt))
+            runs["eager PyTorch", "fp32"]["bytes"] = runs[run.aotc, fmt]["bytes"]
+    for fmt, source in LLAMA_CPP.items():
+        gguf = llamacpp.convert(built, checkpoints[source], fmt, where)
+        runs["llama.cpp", fmt] = llamacpp.timed(lambda: llamacpp.decode(built, gguf, prompt, PEER_NEW, threads))
+        runs["llama.cpp", fmt]["bytes"] = llamacpp.bytes_per_step(gguf)
+    reference = runs[run.aotc, "fp32"]
+    for (engine, fmt), result in runs.items():
+        rows.append({
+            "engine": engine, "format": fmt, "made from": f"{AOTC.get(fmt) if engine != 'llama.cpp' else LLAMA_CPP[fmt]} folder",
+            "tokens/s": result["tokens_per_s"], "MB read per step": result["bytes"] / 1e6,
+            "GB/s of weights": result["bytes"] * result["tokens_per_s"] / 1e9,
+            "greedy tokens equal to aotc fp32's": f"{llamacpp.agreement(result['tokens'], reference['tokens'])} of {PEER_NEW}",
+        })  # fmt: skip
+    stands = [
+        {"aotc": ours, "llama.cpp": theirs, "aotc tokens/s": runs[run.aotc, ours]["tokens_per_s"], "llama.cpp tokens/s": runs["llama.cpp", theirs]["tokens_per_s"],
+         "aotc / llama.cpp": runs[run.aotc, ours]["tokens_per_s"] / runs["llama.cpp", theirs]["tokens_per_s"],
+         "aotc MB / llama.cpp MB per step": runs[run.aotc, ours]["bytes"] / runs["llama.cpp", theirs]["bytes"]}
+        for ours, theirs in PAIRS
+    ]  # fmt: skip
+    quality = _quality(tokenizer, checkpoints)
+    misses = []
+    f32 = runs["llama.cpp", "F32"]
+    if reference["tokens_per_s"] < f32["tokens_per_s"]:
+        misses.append(f"{label}: {run.aotc} fp32 decodes {reference['tokens_per_s']:.0f} tokens/s at batch 1, llama.cpp F32 {f32['tokens_per_s']:.0f}")
+    title = f"{label}: batch-1 greedy decode, a {len(prompt)}-token prompt, {PEER_NEW} new tokens, {threads} threads"
+    table(title, rows)
+    table(f"{label}: aotc against llama.cpp at each precision", stands)
+    table(f"{label}: quality, eager, teacher-forced over {quality[0]['passage tokens']} tokens of {PASSAGE.name}", quality)
+    return {
+        "prompt_tokens": len(prompt), "prompt": CHAT_PROMPT if folders["chat"] else "random ids", "rows": rows, "stands": stands, "quality": quality,
+        "quantized": {fmt: {"tensors": len(q.tensors), "MB before": q.bytes_in / 1e6, "MB after": q.bytes_out / 1e6, "head": q.head} for fmt, q in made.items()},
+        "misses": misses,
+    }  # fmt: skip
+
+
+def _ours(model, prompt: list[int]) -> dict:
+    g = generate(model, [prompt], PEER_NEW, max_batch=1, max_seq=256, slots=2, stop_at_eos=False)
+    return {"tokens": g.sequences[0].new_ids, "decode_s": g.decode_s, "tokens_per_s": g.decode_tokens_per_s}
+
+
+def _quality(tokenizer, checkpoints: dict) -> list[dict]:
+    """Each lower-precision checkpoint's logits over the passage against the bf16 source's
+    and fp32's, eager (the reference of each; compiled bundles keep to it by the fidelity
+    rule)."""
+    ids = torch.tensor(tokenizer.encode(PASSAGE.read_text()).ids[:PASSAGE_TOKENS])
+    logits = {}
+    for fmt in ("fp32", "bf16", "fp8", "fp8, fp8 head"):
+        with torch.no_grad():
+            logits[fmt] = load_model(checkpoints[fmt]).model.prompt_logits(ids).float()
+    out = []
+    for fmt in ("bf16", "fp8", "fp8, fp8 head"):
+        row = {"checkpoint": fmt, "passage tokens": len(ids)}
+        for against in ("bf16", "fp32") if fmt != "bf16" else ("fp32",):
+            a, b = logits[fmt], logits[against]
+            row[f"max logit diff vs {against}"] = (a - b).abs().max().item()
+            row[f"top-1 agreement vs {against}"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        row["fp32 logit range"] = (logits["fp32"].max() - logits["fp32"].min()).item()
+        out.append(row)
+    return out

@@ -1,0 +1,225 @@
+"""`aotc quantize`: a low-precision checkpoint from a bf16 or fp32 model folder.
+
+It writes the formats aotc already reads (aotc.quant), in the Hugging Face layout
+(`<name>_scale_inv` beside each quantized weight, `quantization_config` in
+config.json), as llama.cpp's `llama-quantize` writes a GGUF:
+
+- "fp8": the decoder layers' linear weights as float8_e4m3fn with a float32 scale
+  per 128 x 128 block.
+- "fp4-experts": as fp8, and the routed experts' (modules under `.experts.`) as
+  packed e2m1 with an E8M0 scale per 32 inputs (DeepSeek V4's published form).
+
+The LM head stays at the source precision by default (`head="keep"`, as `aotc init
+tiny --quantize` writes it); `head="fp8"` quantizes it too, as llama.cpp's Q8_0
+does: decode reads the head's bytes every token, so an fp8 head reads a quarter of
+fp32's. Where the head is tied to the embedding, it is then written as a tensor of
+its own (config `tie_word_embeddings: false`) and the embedding keeps the source
+precision: a lookup reads one row a token, so an fp8 embedding would save disk, not
+time.
+
+The source is read one shard at a time; the new folder is written beside the
+destination under a temporary name and renamed when whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from . import quant
+from .errors import ConfigError, WeightsError
+from .models.base import _sources, checkpoint_names, load_model
+from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
+
+FORMATS = ("fp8", "fp4-experts")
+HEADS = ("keep", "fp8")
+HEAD_NAMES = ("lm_head.weight", "head.weight")  # the head's checkpoint names (Hugging Face's, DeepSeek's)
+LOW_PRECISION = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu)
+
+
+@dataclass
+class Quantized:
+    """What `quantize_model` wrote."""
+
+    out: Path
+    format: str
+    tensors: dict[str, str] = field(default_factory=dict)  # checkpoint tensor -> "fp8" | "fp4"
+    kept: dict[str, str] = field(default_factory=dict)  # tensor -> its dtype, for those copied as they are
+    bytes_in: int = 0  # of the tensors quantized, at the source precision
+    bytes_out: int = 0  # of their values and scales
+    head: str = ""  # what became of the LM head, in words
+
+
+def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "keep") -> Quantized:
+    """Write `out`, a copy of the model folder `source` with its weights in `fmt`."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    if head not in HEADS:
+        raise ConfigError(f"--head {head}: expected one of {', '.join(HEADS)}")
+    source, out = Path(source), Path(out)
+    _check_paths(source, out)
+    config = json.loads(model_file(source, "config.json").read_text())
+    if config.get("quantization_config") is not None:
+        raise ConfigError(
+            f"{source / 'config.json'}: quantization_config is set; the checkpoint is already quantized. "
+            "aotc quantize reads a bf16 or fp32 folder: quantize the full-precision source instead"
+        )
+    checkpoint = Checkpoint(source)
+    low = next((t for t in checkpoint.tensors.values() if t.dtype in LOW_PRECISION), None)
+    if low is not None:
+        raise WeightsError(
+            f"{low.file}: tensor {low.name!r} is {str(low.dtype).removeprefix('torch.')}; the checkpoint is already "
+            "quantized. aotc quantize reads a bf16 or fp32 folder: quantize the full-precision source instead"
+        )
+    model = load_model(source, weights=False).model  # checks every header against config.json
+    plan = _plan(model, checkpoint, fmt, head)
+    result = Quantized(out, fmt, head=plan.head_words)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        weight_map = _write_shards(checkpoint, plan, tmp, result)
+        _copy_files(source, tmp)
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(quant.FP8_BLOCK),
+            # transformers' FineGrainedFP8 reads every other linear as quantized
+            "modules_to_not_convert": sorted(plan.not_converted),
+        }  # fmt: skip
+        if fmt == "fp4-experts":
+            config["expert_dtype"] = "fp4"
+        if plan.untie is not None:
+            config["tie_word_embeddings"] = False
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if (source / INDEX).is_file():
+            total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (_check_paths): replaced by the finished folder
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def _check_paths(source: Path, out: Path) -> None:
+    if not (source / "config.json").is_file():
+        raise ConfigError(f"{source}: no config.json; aotc quantize reads a Hugging Face model folder")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise ConfigError(f"-o {out}: inside the source folder {source}; aotc quantize writes a new folder beside it, never into the source. Choose a path outside {source}")
+    if dst in src.parents:
+        raise ConfigError(f"-o {out}: holds the source folder {source}; choose a new or empty folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"-o {out}: exists and is not an empty folder; aotc quantize writes a new one. Choose another path, or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass
+class _Plan:
+    formats: dict[str, str]  # checkpoint tensor -> stored format
+    untie: tuple[str, str] | None  # (the head's new tensor, the embedding tensor it is made from)
+    not_converted: set[str]  # linear modules left at the source precision (transformers' names)
+    head_words: str
+
+
+def _plan(model, checkpoint: Checkpoint, fmt: str, head: str) -> _Plan:
+    """Which checkpoint tensors become which format."""
+    sources = _sources(model, checkpoint)
+    tied = model.tied_parameters()
+    formats, merged, not_converted = {}, [], set()
+    head_param = next((p for p, _ in model.named_parameters(remove_duplicate=False) if set(checkpoint_names(model, p)) & set(HEAD_NAMES)), None)
+    for path, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        param = f"{path}.weight"
+        if ".layers." not in f".{path}":
+            if param != head_param:
+                not_converted.add(_module_name(checkpoint_names(model, param)[0]))
+            continue
+        where = sources[param]
+        if isinstance(where, Merged):  # the loader reads low-precision experts fused only
+            merged.append(param)
+            continue
+        formats[where] = "fp4" if fmt == "fp4-experts" and ".experts." in f".{path}." else "fp8"
+    if merged:
+        raise WeightsError(
+            f"{checkpoint.info(sources[merged[0]].parts[0][0]).file}: {merged[0]} (and {len(merged) - 1} more) are merged from "
+            "per-expert tensors, which aotc reads at full precision only; save the checkpoint with the experts fused first"
+        )
+    if fmt == "fp4-experts" and "fp4" not in formats.values():
+        raise ConfigError(f"--format fp4-experts: {type(model).__name__} has no routed experts (linear modules under .experts.); use --format fp8")
+    if not formats:
+        raise ConfigError(f"{checkpoint.dir}: {type(model).__name__} has no linear layers in its decoder layers for aotc quantize to quantize")
+    untie = None
+    if head_param is None:
+        words = "no LM head found: none quantized"
+    elif head == "keep":
+        words = f"kept at {_dtype(checkpoint, sources[tied.get(head_param, head_param)])}"
+        not_converted.add(_module_name(checkpoint_names(model, head_param)[0]))
+    elif head_param in tied:
+        untie = (checkpoint_names(model, head_param)[0], sources[tied[head_param]])
+        formats[untie[0]] = "fp8"
+        words = f"fp8, untied from the embedding {untie[1]!r}, which stays {_dtype(checkpoint, untie[1])}"
+    else:
+        formats[sources[head_param]] = "fp8"
+        words = "fp8"
+    return _Plan(formats, untie, not_converted, words)
+
+
+def _module_name(tensor: str) -> str:
+    return tensor.removesuffix(".weight")
+
+
+def _dtype(checkpoint: Checkpoint, name: str) -> str:
+    return str(checkpoint.info(name).dtype).removeprefix("torch.")
+
+
+def _write_shards(checkpoint: Checkpoint, plan: _Plan, tmp: Path, result: Quantized) -> dict[str, str]:
+    """Each source shard as a shard of the same name: its quantized tensors as values and
+    scales, the rest as they are. Returns the new weight map."""
+    by_file: dict[Path, list[str]] = {}
+    for name, info in checkpoint.tensors.items():
+        by_file.setdefault(info.file, []).append(name)
+    weight_map = {}
+    for file, names in by_file.items():
+        tensors = {}
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                made = [(name, t)]
+                if plan.untie is not None and name == plan.untie[1]:
+                    made.append((plan.untie[0], t))
+                for made_name, tensor in made:
+                    fmt = plan.formats.get(made_name)
+                    if fmt is None:
+                        tensors[made_name] = tensor
+                        result.kept[made_name] = str(tensor.dtype).removeprefix("torch.")
+                        continue
+                    values, scale = quant.quantize(fmt, tensor, e8m0=fmt == "fp4")
+                    if scale.dtype == torch.uint8:
+                        scale = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0, as published
+                    tensors[made_name], tensors[f"{made_name}_scale_inv"] = values, scale
+                    result.tensors[made_name] = fmt
+                    result.bytes_in += tensor.numel() * tensor.element_size()
+                    result.bytes_out += values.numel() * values.element_size() + scale.numel() * scale.element_size()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file.name))
+    return weight_map
+
+
+def _copy_files(source: Path, tmp: Path) -> None:
+    """The folder's other files (tokenizer, chat template, generation config): their
+    contents, links followed, so that the new folder stands alone."""
+    for path in sorted(source.iterdir()):
+        if path.name in ("config.json", INDEX) or path.suffix == ".safetensors" or path.name.startswith("."):
+            continue
+        if path.is_file():
+            shutil.copyfile(model_file(source, path.name), tmp / path.name)

@@ -1,0 +1,150 @@
+"""`aotc quantize` (aotc.quantize): low-precision checkpoints from full-precision folders,
+read back by aotc's loader, and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from aotc import quant
+from aotc.build import BuildOptions, build
+from aotc.cli import app
+from aotc.errors import ConfigError, WeightsError
+from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
+from aotc.quantize import quantize_model
+from aotc.runtime import Bundle, generate
+
+runner = CliRunner()
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp8"), ("deepseek_v4", "fp4-experts")])
+def test_a_quantized_folder_holds_what_init_tiny_quantize_writes(tmp_path, arch, fmt):
+    """The same seed's model quantized by `aotc quantize` and written quantized by `aotc
+    init tiny --quantize`: every tensor byte for byte (the head kept, by default)."""
+    layers = 3 if arch == "deepseek_v4" else 2
+    source = write_tiny(tmp_path / "src", arch=arch, layers=layers)
+    made = quantize_model(source, tmp_path / "q", fmt)
+    want = tensors(write_tiny(tmp_path / "want", arch=arch, layers=layers, quantize=fmt))
+    got = tensors(made.out)
+    assert sorted(got) == sorted(want)
+    assert all(same_bytes(got[k], want[k]) for k in want), [k for k in want if not same_bytes(got[k], want[k])]
+    assert set(made.tensors.values()) == ({"fp8", "fp4"} if fmt == "fp4-experts" else {"fp8"})
+    assert made.head.startswith("kept at float32")
+    config = json.loads((made.out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert (made.out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
+def test_the_loader_reads_back_each_weight_as_its_dequantized_source(tmp_path):
+    """fp8 values and block scales that dequantize to the source weight rounded to fp8
+    (exactly); every other tensor as it was."""
+    source = write_tiny(tmp_path / "src", layers=2)
+    made = quantize_model(source, tmp_path / "q", "fp8")
+    src, q = load_model(source).model, load_model(made.out).model
+    src_params, q_params = dict(src.named_parameters()), dict(q.named_parameters())
+    for name, p in src_params.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            values, scale = quant.quantize_fp8_blocks(p.detach())
+            torch.testing.assert_close(q_params[name], quant.dequantize("fp8", values, scale, p.dtype), rtol=0, atol=0)
+            assert not torch.equal(q_params[name], p)
+        else:
+            assert torch.equal(q_params[name], p), name
+
+
+def test_an_fp8_head_of_a_tied_model_is_written_as_its_own_tensor_and_runs_compiled(tmp_path):
+    """--head fp8 on a model whose head is its embedding: lm_head.weight in fp8 beside the
+    embedding at its source precision, the tie undone in config.json; a bundle's head
+    graph reads the fp8 bytes, and its tokens and logits are eager's."""
+    source = write_tiny(tmp_path / "src", layers=2, tie_word_embeddings=True)
+    made = quantize_model(source, tmp_path / "q", "fp8", head="fp8")
+    assert "untied from the embedding 'model.embed_tokens.weight'" in made.head
+    got, src = tensors(made.out), tensors(source)
+    assert "lm_head.weight" not in src and got["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert same_bytes(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+    config = json.loads((made.out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["quantization_config"]["modules_to_not_convert"] == []
+    out = build(BuildOptions(made.out, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", use_cache=False)).out
+    bundle = Bundle.load(out)
+    (head,) = [e for e in bundle.manifest.entries if e.id == "LMHead.forward"]
+    assert {w.dtype for w in head.weights if w.path == "lm_head.weight"} == {"float8_e4m3fn", "float32"}  # values, scales
+    loaded = load_model(made.out, stored=bundle.stored_params())
+    kw = dict(max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    bundle.bind(loaded.model)
+    compiled = generate(loaded.model, [[5, 9, 200, 31, 7]], 8, **kw)
+    eager = generate(load_model(made.out).model, [[5, 9, 200, 31, 7]], 8, **kw)
+    assert compiled.sequences[0].new_ids == eager.sequences[0].new_ids
+    torch.testing.assert_close(torch.stack(compiled.sequences[0].logits), torch.stack(eager.sequences[0].logits), atol=1e-4, rtol=1e-4)
+
+
+def test_a_sharded_source_gives_shards_of_the_same_names_and_an_index(tmp_path):
+    source = write_tiny(tmp_path / "src", layers=2)
+    whole = tensors(source)
+    (source / "model.safetensors").unlink()
+    names = sorted(whole)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in parts.items():
+        save_file({k: whole[k] for k in part}, str(source / file), metadata={"format": "pt"})
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    made = quantize_model(source, tmp_path / "q", "fp8")
+    assert sorted(p.name for p in made.out.glob("*.safetensors")) == sorted(parts)
+    index = json.loads((made.out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, fmt in made.tensors.items():
+        assert index[f"{name}_scale_inv"] == index[name] == next(f for f, ks in parts.items() if name in ks)
+    assert sorted(index) == sorted(tensors(made.out))
+    load_model(made.out)
+
+
+def test_bad_inputs_are_refused_naming_them_and_leave_nothing_behind(tmp_path):
+    source = write_tiny(tmp_path / "src", layers=2)
+    quantized = write_tiny(tmp_path / "fp8", layers=2, quantize="fp8")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    cases = [
+        (dict(source=source, out=tmp_path / "o", fmt="int4"), ConfigError, "--format int4: expected one of fp8, fp4-experts"),
+        (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int8"), ConfigError, "--head int8: expected one of keep, fp8"),
+        (dict(source=source, out=source, fmt="fp8"), ConfigError, "inside the source folder"),
+        (dict(source=source, out=source / "q", fmt="fp8"), ConfigError, "inside the source folder"),
+        (dict(source=source, out=tmp_path, fmt="fp8"), ConfigError, "holds the source folder"),
+        (dict(source=source, out=tmp_path / "full", fmt="fp8"), ConfigError, "exists and is not an empty folder"),
+        (dict(source=quantized, out=tmp_path / "o", fmt="fp8"), ConfigError, "quantization_config is set; the checkpoint is already quantized"),
+        (dict(source=source, out=tmp_path / "o", fmt="fp4-experts"), ConfigError, "has no routed experts"),
+        (dict(source=tmp_path / "full", out=tmp_path / "o", fmt="fp8"), ConfigError, "no config.json"),
+    ]
+    for kw, error, message in cases:
+        with pytest.raises(error, match=message.replace("(", r"\(")):
+            quantize_model(**kw)
+    # fp8 tensors without a quantization_config: the tensors say it
+    config = json.loads((quantized / "config.json").read_text())
+    del config["quantization_config"]
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match=r"model\.safetensors: tensor '.*' is float8_e4m3fn; the checkpoint is already quantized"):
+        quantize_model(quantized, tmp_path / "o", "fp8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "full", "src"]
+    assert sorted(p.name for p in source.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_the_command_says_what_it_quantized_and_exits_2_on_bad_input(tmp_path):
+    source = write_tiny(tmp_path / "src", layers=2)
+    result = runner.invoke(app, ["quantize", str(source), "-o", str(tmp_path / "q"), "--head", "fp8"])
+    assert result.exit_code == 0, result.output
+    assert "quantized 15 tensors to fp8" in result.output and "LM head: fp8" in result.output
+    result = runner.invoke(app, ["quantize", str(source), "-o", str(source / "q")])
+    assert result.exit_code == 2 and "inside the source folder" in result.output
