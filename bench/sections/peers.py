@@ -4,16 +4,17 @@ model (tiny under --quick) and on SmolLM2-135M-Instruct (bench/smollm2.py; not u
 into --peers-cache (bench/llamacpp.py).
 
 Each model comes as an fp32 folder and a bf16 folder (the 100m model's: its fp32 weights
-rounded to bf16). aotc runs the fp32 folder, the bf16 folder, and two fp8 checkpoints that
-`aotc quantize` writes from the bf16 folder (the LM head kept in bf16, and in fp8 as Q8_0
-has it); llama.cpp's own converter makes F32 and F16 from the fp32 folder and BF16 and
-Q8_0 from the bf16 folder. Every engine decodes the same prompt ids greedily at batch 1
-with the same threads (tokens/s, best of 3); a row gives the bytes of weights that one
-decode step reads (aotc: what its graphs are handed at bind; llama.cpp: the GGUF's
-tensors, the embedding table only where it is also the head) and how many greedy tokens
-equal aotc fp32's. The fp8 checkpoints' quality beside their speed: eager, teacher-forced
-over the passage tests/data/declaration.txt, the largest logit difference and the top-1
-agreement against the bf16 source and against fp32. Issue 19's target: aotc fp32 >=
+rounded to bf16). aotc runs the fp32 folder, the bf16 folder, and three fp8 checkpoints that
+`aotc quantize` writes: from the fp32 folder with the LM head kept, and in fp8 as Q8_0 has
+it; and from the bf16 folder with an fp8 head (bf16 arithmetic). llama.cpp's own converter
+makes F32 and F16 from the fp32 folder and BF16 and Q8_0 from the bf16 folder. Every engine
+decodes the same prompt ids greedily at batch 1 with the same threads (tokens/s, best of
+3); a row gives the bytes of weights that one decode step reads (aotc: what its graphs
+are handed at bind; llama.cpp: the GGUF's tensors, the embedding table only where it is
+also the head) and how many greedy tokens equal aotc fp32's. The quantized checkpoints'
+quality beside their speed: eager, teacher-forced over the passage
+tests/data/declaration.txt, the largest logit difference and the top-1 agreement against
+fp32 and against the source folder. Issue 19's target: aotc fp32 >=
 llama.cpp F32."""
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ PASSAGE = HERE.parent / "tests" / "data" / "declaration.txt"
 PASSAGE_TOKENS = 800
 CHAT_PROMPT = "Write a haiku about the sea."
 # (engine, format): (the folder it is made from, what makes it)
-AOTC = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "fp8, fp8 head": "bf16"}
+AOTC = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp32", "fp8, fp8 head": "fp32", "fp8, fp8 head, bf16": "bf16"}
+QUANTIZED = {"fp8": "keep", "fp8, fp8 head": "fp8", "fp8, fp8 head, bf16": "fp8"}  # aotc's fp8 checkpoints: --head
 LLAMA_CPP = {"F32": "fp32", "F16": "fp32", "BF16": "bf16", "Q8_0": "bf16"}
 # Like against like: aotc's format, llama.cpp's
-PAIRS = (("fp32", "F32"), ("bf16", "BF16"), ("bf16", "F16"), ("fp8, fp8 head", "Q8_0"), ("fp8", "Q8_0"))
+PAIRS = (("fp32", "F32"), ("bf16", "BF16"), ("bf16", "F16"), ("fp8, fp8 head", "Q8_0"), ("fp8", "Q8_0"), ("fp8, fp8 head, bf16", "Q8_0"))
 
 
 @section("peers", optional=True)
@@ -99,10 +101,10 @@ def _compare(run: Run, built, label: str, folders: dict) -> dict:
     where.mkdir(parents=True, exist_ok=True)
     checkpoints = {"fp32": folders["fp32"], "bf16": folders["bf16"]}
     made = {}
-    for fmt, head in (("fp8", "keep"), ("fp8, fp8 head", "fp8")):
+    for fmt, head in QUANTIZED.items():
         out = where / fmt.replace(", ", "-").replace(" ", "-")
         if not out.is_dir():
-            made[fmt] = quantize_model(folders["bf16"], out, "fp8", head=head)
+            made[fmt] = quantize_model(folders[AOTC[fmt]], out, "fp8", head=head)
         checkpoints[fmt] = out
 
     runs, rows = {}, []
@@ -157,21 +159,22 @@ def _ours(model, prompt: list[int]) -> dict:
 
 
 def _quality(tokenizer, checkpoints: dict) -> list[dict]:
-    """Each lower-precision checkpoint's logits over the passage against the bf16 source's
-    and fp32's, eager (the reference of each; compiled bundles keep to it by the fidelity
-    rule)."""
+    """Each lower-precision checkpoint's logits over the passage against fp32's and, made
+    from the bf16 folder, its source's; eager (the reference of each: compiled bundles
+    keep to it by the fidelity rule)."""
     ids = torch.tensor(tokenizer.encode(PASSAGE.read_text()).ids[:PASSAGE_TOKENS])
     logits = {}
-    for fmt in ("fp32", "bf16", "fp8", "fp8, fp8 head"):
+    for fmt in AOTC:
         with torch.no_grad():
             logits[fmt] = load_model(checkpoints[fmt]).model.prompt_logits(ids).float()
     out = []
-    for fmt in ("bf16", "fp8", "fp8, fp8 head"):
-        row = {"checkpoint": fmt, "passage tokens": len(ids)}
-        for against in ("bf16", "fp32") if fmt != "bf16" else ("fp32",):
+    for fmt, source in AOTC.items():
+        if fmt == "fp32":
+            continue
+        row = {"checkpoint": fmt, "made from": f"{source} folder", "passage tokens": len(ids), "fp32 logit range": (logits["fp32"].max() - logits["fp32"].min()).item()}
+        for against in dict.fromkeys(("fp32", source if fmt != source else "fp32")):
             a, b = logits[fmt], logits[against]
             row[f"max logit diff vs {against}"] = (a - b).abs().max().item()
             row[f"top-1 agreement vs {against}"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-        row["fp32 logit range"] = (logits["fp32"].max() - logits["fp32"].min()).item()
         out.append(row)
     return out
