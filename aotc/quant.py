@@ -20,8 +20,11 @@ tensors next to their use, so both see bit-identical weights.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from .errors import ConfigError
 from .fp8 import E4M3FN_MAX, quantize_fp8
+
 FP8_BLOCK = (128, 128)
 FP4_BLOCK = (1, 32)
 BLOCKS: dict[str, tuple[int, int]] = {"fp8": FP8_BLOCK, "fp4": FP4_BLOCK}
@@ -129,3 +132,16 @@ def quantize(fmt: str, w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch
     if fmt == "fp8":
         return quantize_fp8_blocks(w, e8m0)
     return quantize_fp4(w)
+
+
+def layer_formats(model: nn.Module, quantize: str, option: str) -> dict[str, str]:
+    """Parameter -> stored format for `quantize` ("fp8" | "fp4-experts"): the weights of
+    the decoder layers' linear layers, fp8; with fp4-experts the routed experts' (modules
+    under .experts.) fp4. `option` names the flag in the error of a model with no experts."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Linear) and ".layers." in f".{path}":
+            out[f"{path}.weight"] = "fp4" if quantize == "fp4-experts" and ".experts." in f"{path}." else "fp8"
+    if quantize == "fp4-experts" and "fp4" not in out.values():
+        raise ConfigError(f"{option} fp4-experts: {type(model).__name__} has no routed experts (linear modules under .experts.); use {option} fp8")
+    return out

@@ -134,28 +134,20 @@ def _plan(model, checkpoint: Checkpoint, fmt: str, head: str) -> _Plan:
     """Which checkpoint tensors become which format."""
     sources = _sources(model, checkpoint)
     tied = model.tied_parameters()
-    formats, merged, not_converted = {}, [], set()
     head_param = next((p for p, _ in model.named_parameters(remove_duplicate=False) if set(checkpoint_names(model, p)) & set(HEAD_NAMES)), None)
-    for path, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        param = f"{path}.weight"
-        if ".layers." not in f".{path}":
-            if param != head_param:
-                not_converted.add(_module_name(checkpoint_names(model, param)[0]))
-            continue
-        where = sources[param]
-        if isinstance(where, Merged):  # the loader reads low-precision experts fused only
-            merged.append(param)
-            continue
-        formats[where] = "fp4" if fmt == "fp4-experts" and ".experts." in f".{path}." else "fp8"
-    if merged:
+    by_param = quant.layer_formats(model, fmt, "--format")
+    merged = [param for param in by_param if isinstance(sources[param], Merged)]
+    if merged:  # the loader reads low-precision experts fused only
         raise WeightsError(
             f"{checkpoint.info(sources[merged[0]].parts[0][0]).file}: {merged[0]} (and {len(merged) - 1} more) are merged from "
             "per-expert tensors, which aotc reads at full precision only; save the checkpoint with the experts fused first"
         )
-    if fmt == "fp4-experts" and "fp4" not in formats.values():
-        raise ConfigError(f"--format fp4-experts: {type(model).__name__} has no routed experts (linear modules under .experts.); use --format fp8")
+    formats = {sources[param]: f for param, f in by_param.items()}
+    # the other linears, transformers' names: its FineGrainedFP8 reads every linear not listed as quantized
+    not_converted = {
+        _module_name(checkpoint_names(model, f"{path}.weight")[0]) for path, m in model.named_modules()
+        if isinstance(m, nn.Linear) and f"{path}.weight" not in by_param and f"{path}.weight" != head_param
+    }  # fmt: skip
     if not formats:
         raise ConfigError(f"{checkpoint.dir}: {type(model).__name__} has no linear layers in its decoder layers for aotc quantize to quantize")
     untie = None

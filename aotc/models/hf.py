@@ -59,7 +59,7 @@ from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
-from .packing import pack, packed_visible
+from .packing import pack, packed_rows, packed_visible
 
 NAME = "transformers"
 ATTENTION = "aotc"
@@ -216,12 +216,10 @@ class _LayerCache:
         if self.decode:  # each row's own slot
             seen = (slice(None, b),)
             return load(self.rows[0], self.k_cache, seen, key_states.dtype), load(self.rows[1], self.v_cache, seen, value_states.dtype)
-        # A packed prefill chunk (models.packing): the first sequence's cached positions,
-        # then the chunk's rows as the cache holds them: [1, kv heads, S + T, head dim].
-        first, own = (self.slots[:1],), (self.slots, slice(None), self.positions)
-        return tuple(
-            torch.cat([load(rows, cache, first, dtype), load(rows, cache, own, dtype).transpose(0, 1)[None]], dim=2)
-            for rows, cache, dtype in ((self.rows[0], self.k_cache, key_states.dtype), (self.rows[1], self.v_cache, value_states.dtype))
+        # A packed prefill chunk (models.packing): [1, kv heads, S + T, head dim].
+        return (
+            packed_rows(self.rows[0], self.k_cache, self.slots, self.positions, key_states.dtype)[None],
+            packed_rows(self.rows[1], self.v_cache, self.slots, self.positions, value_states.dtype)[None],
         )
 
 

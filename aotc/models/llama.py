@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
-from .packing import pack, packed_visible
+from .packing import pack, packed_rows, packed_visible
 from .registry import register_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -257,10 +257,8 @@ class LlamaAttention(nn.Module):
         # A KV head's query heads and rows as the rows of one matmul against its keys: a
         # broadcast over the query heads would copy the keys once per query head.
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * c, self.head_dim)
-        # The first sequence's cached positions, then the chunk's rows as the cache holds them.
-        first, own = (slots[:1],), (slots, slice(None), positions)
-        keys = torch.cat([load(self.k_rows, k_cache, first, dtype)[0], load(self.k_rows, k_cache, own, dtype).transpose(0, 1)], dim=1)  # [kv, S + C, hd]
-        values = torch.cat([load(self.v_rows, v_cache, first, dtype)[0], load(self.v_rows, v_cache, own, dtype).transpose(0, 1)], dim=1)
+        keys = packed_rows(self.k_rows, k_cache, slots, positions, dtype)  # [kv, S + C, hd]
+        values = packed_rows(self.v_rows, v_cache, slots, positions, dtype)
         mask = packed_visible(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
         return self.o_proj(out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kvcache import load
+
 
 @dataclass
 class Packed:
@@ -42,6 +44,16 @@ def pack(prompts: list[torch.Tensor], slots: list[int]) -> Packed:
         slots=torch.tensor(slots, device=device).repeat_interleave(lengths),
         last=starts + lengths - 1,
     )
+
+
+def packed_rows(rows, cache, slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[kv heads, cached + C, head dim]: the keys (or values) a packed chunk attends to, as
+    packed_visible orders them: the first row's sequence's cached positions, then the
+    chunk's own rows as the cache holds them (written by this chunk). rows, cache: as
+    aotc.kvcache.load takes them."""
+    earlier = load(rows, cache, (slots[:1],), dtype)[0]
+    own = load(rows, cache, (slots, slice(None), positions), dtype).transpose(0, 1)
+    return torch.cat([earlier, own], dim=1)
 
 
 def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:

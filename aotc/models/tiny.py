@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save
-from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .. import quant
@@ -119,7 +118,7 @@ def write_model(
 
 
 def _checkpoint(model, quantize: str, layout: str) -> dict[str, torch.Tensor]:
-    formats = _quantized(model, quantize)
+    formats = {} if quantize == "none" else quant.layer_formats(model, quantize, "--quantize")
     out = {}
     for name, t in checkpoint_tensors(model).items():
         names = checkpoint_names(model, name)
@@ -135,17 +134,4 @@ def _checkpoint(model, quantize: str, layout: str) -> dict[str, torch.Tensor]:
             values = values.view(torch.float4_e2m1fn_x2)  # safetensors' F4; the hf layout keeps U8 bytes
         out[ckpt_name] = values
         out[scale_names(ckpt_name)[0 if layout == "hf" else 1]] = scale
-    return out
-
-
-def _quantized(model, quantize: str) -> dict[str, str]:
-    """Parameter -> stored format: the weights of the decoder layers' linear layers."""
-    if quantize == "none":
-        return {}
-    out = {}
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Linear) and ".layers." in f".{path}":
-            out[f"{path}.weight"] = "fp4" if quantize == "fp4-experts" and ".experts." in f"{path}." else "fp8"
-    if quantize == "fp4-experts" and "fp4" not in out.values():
-        raise ConfigError(f"--quantize fp4-experts: {type(model).__name__} has no routed experts (modules under .experts.); use --quantize fp8")
     return out
