@@ -172,6 +172,10 @@ DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor ba
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
 KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8, each group scaled by its largest magnitude (float32 scales), packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224) | fp8-values (llama family): values so, keys in bf16, which keep answers that fp8 keys lose.")
 MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc[hf]).")
+TENSOR_PARALLEL = typer.Option(
+    1, "--tensor-parallel", min=1,
+    help="Ranks to split the model across (llama family; export and inductor backends): one graph per entry and bucket serves every rank, with the collectives inside it; each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
+)  # fmt: skip
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -188,6 +192,7 @@ def build(
     plugin: list[str] = PLUGIN,
     kv_cache_dtype: str = KV_CACHE_DTYPE,
     modeling: str = MODELING,
+    tensor_parallel: int = TENSOR_PARALLEL,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -217,7 +222,7 @@ def build(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
-            modeling=modeling,
+            modeling=modeling, tensor_parallel=tensor_parallel,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=False) as progress:
@@ -314,12 +319,13 @@ def cache_key_command(
     plugin: list[str] = PLUGIN,
     kv_cache_dtype: str = KV_CACHE_DTYPE,
     modeling: str = MODELING,
+    tensor_parallel: int = TENSOR_PARALLEL,
 ):
     """Print one key for a whole build, without compiling (a CI cache key)."""
     from .build import build_key
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype, modeling=modeling)))
+        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel)))
     except AotcError as e:
         _fail(e)
 
@@ -390,12 +396,16 @@ def run(
     from .models.registry import modeling_of
     from .models.hub import resolve_model
     from .plugins import load_plugins
+    from .format import read_manifest
+    from .parallel import join, joined_rank
     from .runtime import Bundle, check_generation, generate
     from .runtime.generate import check_lengths
+    from .runtime.launch import leave, threads_per_rank
 
     try:
         t0 = time.perf_counter()
         load_plugins(plugin)
+        rank, world = 0, 1  # a parallel bundle: this process's rank of its launch
         if eager:
             if check:
                 raise AotcError("--check compares a bundle with the eager model; it has nothing to compare with --eager")
@@ -403,13 +413,22 @@ def run(
             loaded = load_model(model_dir)
             b = None
         else:
+            layout = read_manifest(path).parallel
+            if layout.world_size > 1 and joined_rank() is None:
+                return _launch_ranks(layout.world_size)
+            rank, world = joined_rank() or (rank, world)
+            if world != layout.world_size:
+                raise AotcError(f"{path} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); this launch has WORLD_SIZE={world}")
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
             model_dir = _bundle_model(b, model, revision)
+            if world > 1:
+                join(layout, rank, b.device)
+                threads = threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
-            # also needs them dequantized, for eager.
+            # also needs them dequantized, for eager (on a parallel bundle: the whole model, after).
             loaded = load_model(
-                model_dir, stored=True if check else b.stored_params(), kv_cache=b.manifest.model.kv_cache,
-                modeling=modeling_of(b.manifest.model.architecture),
+                model_dir, stored=True if check and world == 1 else b.stored_params(), kv_cache=b.manifest.model.kv_cache,
+                modeling=modeling_of(b.manifest.model.architecture), layout=layout, rank=rank,
             )  # fmt: skip
             b.check_model(loaded)
             _check_memory(loaded.model, b)  # before generate allocates the caches
@@ -442,20 +461,27 @@ def run(
                 raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
             if not prompt:
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
-            b.bind(loaded.model)
+            b.bind(loaded.model, rank=rank, world_size=world)
         setup_s = time.perf_counter() - t0
         kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids, threads=threads)
         if b is not None:
             kwargs.update(slots=b.cache_slots, keep_logits=check)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
-        stream = None if as_json else _Stream(asked, prompts, tokenizer, notes)
+        stream = None if as_json or rank != 0 else _Stream(asked, prompts, tokenizer, notes)
         with stream or contextlib.nullcontext():
             gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
+        if world > 1:
+            leave(gen)
+            if rank != 0:  # rank 0 reports, and checks against the whole eager model
+                return
         after = _endings(gen, defaults, new_tokens, max_new_tokens, model_dir, chat)
         checked = None
         if check:
             Bundle.unbind(loaded.model)
-            checked = check_generation(loaded.model, gen, new_tokens, b.manifest.backend.name, **kwargs)
+            eager_model = loaded.model
+            if world > 1:
+                eager_model = load_model(model_dir, stored=True, kv_cache=b.manifest.model.kv_cache, modeling=modeling_of(b.manifest.model.architecture)).model
+            checked = check_generation(eager_model, gen, new_tokens, b.manifest.backend.name, **kwargs)
         generation = {
             "eos_token_ids": list(defaults.eos_token_ids), "eos_from": defaults.eos_from, "max_new_tokens": new_tokens,
             "max_new_tokens_from": "--max-new-tokens" if max_new_tokens else defaults.max_new_tokens_from, "chat": chat,
@@ -476,6 +502,19 @@ def run(
         _print_report(report, after)
     if check and not report["check"]["passed"]:
         raise typer.Exit(1)
+
+
+def _launch_ranks(world_size: int) -> None:
+    """aotc run on a parallel bundle: the same command once per rank, watched (runtime.launch)."""
+    from .runtime.launch import launch
+
+    argv = sys.argv[1:]
+    if "run" not in argv:  # called as a library (a test's CliRunner), not as the aotc command
+        raise AotcError("a parallel bundle's ranks are started by the aotc command (aotc run) or torchrun; call it so")
+    code, why = launch(argv, world_size)
+    if why:
+        err_console.print(f"[red]error:[/] {why}; ended the other ranks", highlight=False)
+    raise typer.Exit(code)
 
 
 def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: Path, chat: bool) -> list[str]:
@@ -709,7 +748,9 @@ def inspect(
         f"backend {m.backend.name} {m.backend.version}\n"
         f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  context buckets {s.context}  "
         f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\n"
-        f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  digest {m.digest()}"
+        f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  "
+        + (f"tensor parallel {m.parallel.tensor_parallel} (collectives {m.parallel.collectives}; shapes per rank)  " if m.parallel.world_size > 1 else "")
+        + f"digest {m.digest()}"
     )
     table = Table()
     for col in ("entry", "modules", "bucket", "context", "form", "inputs w/c/a", "outputs", "compile s", "cache key"):

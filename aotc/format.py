@@ -35,6 +35,10 @@ Records are designed for what comes next:
     values, scales, bf16 dims; aotc.kvcache) lists its regions' byte ranges;
     graphs take each region as a cache input of its own (`region`), each its
     own allocation (DESIGN.md, Caches);
+  * a tensor-parallel bundle (`parallel`) is one SPMD graph per artifact that
+    every rank runs, with the collectives in it (group names as strings, the
+    groups in the record, created in that order); each weight says how a rank
+    takes its part of the checkpoint tensor (`shard`), and shapes are per rank;
   * `digest()` identifies a whole bundle: the sha256 of its manifest, which
     holds every file's sha256.
 """
@@ -58,7 +62,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 12
+FORMAT_VERSION = 13
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -120,11 +124,28 @@ class WeightSpec:
     transform: TransformName | None
     sources: list[str]
     stored: StoredSpec | None  # a part of a low-precision weight; None for any other
+    shard: ShardSpec | None  # a rank's part of the checkpoint tensor; None: every rank holds it whole
 
     @property
     def key(self) -> str:
         """Unique among an entry's weights: a stored weight's two parts share its path."""
         return self.path if self.stored is None else f"{self.path}:{self.stored.part}"
+
+
+@dataclass
+class ShardSpec:
+    """How each rank of a tensor-parallel bundle takes its part of a checkpoint tensor
+    (aotc.parallel.piece). "split": along `dim`, each of the fused `blocks` (their sizes,
+    summing to the tensor's) in `ways` equal parts of whole `unit`s (a head's rows), rank
+    r taking part r * ways // world_size (ways below the world size: a part on several
+    ranks, as KV heads are when the ranks outnumber them). "first": rank 0 holds it, the
+    others zeros (a bias added before an all-reduce)."""
+
+    kind: Literal["split", "first"]
+    dim: int
+    blocks: list[int]
+    ways: int
+    unit: int
 
 
 @dataclass
@@ -255,6 +276,22 @@ class ModelRecord:
 
 
 @dataclass
+class GroupRecord:
+    name: str  # the process group's name, as the graphs' collectives name it
+    ranks: list[int]
+
+
+@dataclass
+class ParallelRecord:
+    """How a bundle's graphs run across ranks (aotc.parallel). world_size 1: one device."""
+
+    world_size: int
+    tensor_parallel: int
+    groups: list[GroupRecord]  # created in this order by every rank
+    collectives: Literal["none", "in-graph"]  # in-graph: functional collectives inside the graphs
+
+
+@dataclass
 class BackendRecord:
     name: str
     version: str
@@ -282,6 +319,7 @@ class Manifest:
     model: ModelRecord
     backend: BackendRecord
     shapes: ShapesRecord
+    parallel: ParallelRecord
     caches: dict[str, CacheSpec]
     passes: list[PassIdentity]
     graphs_traced: int
@@ -488,6 +526,7 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
     kind = _artifact_kind(manifest, source, error)
     bad = _refusal(source, error)
     _check_shapes(manifest, bad)
+    _check_parallel(manifest, bad)
     for i, entry in enumerate(manifest.entries):
         for j, w in enumerate(entry.weights):
             if (w.transform is None) != (not w.sources):
@@ -556,6 +595,29 @@ def _check_shapes(m: Manifest, bad) -> None:
         if len(cache.shape) < 3 or cache.shape[1] != s.cache_slots or min(cache.shape) < 1:
             bad(f"{where}.shape", f"{cache.shape} is not [layers, cache_slots ({s.cache_slots}), ...]")
         _check_regions([(r.start, r.end, r.dtype) for r in cache.regions], cache.shape[-1] if cache.regions else None, f"{where}.regions", bad)
+
+
+def _check_parallel(m: Manifest, bad) -> None:
+    p = m.parallel
+    world = p.world_size
+    if world < 1 or p.tensor_parallel != world:
+        bad("parallel", f"world_size {world} and tensor_parallel {p.tensor_parallel}: a bundle's ranks are its tensor-parallel degree")
+    want = [list(range(world))] if world > 1 else []
+    if [g.ranks for g in p.groups] != want or p.collectives != ("in-graph" if world > 1 else "none"):
+        bad("parallel.groups", f"{[g.ranks for g in p.groups]} with collectives {p.collectives!r}, for world_size {world}")
+    for i, entry in enumerate(m.entries):
+        for j, w in enumerate(entry.weights):
+            spec, where = w.shard, f"entries[{i}].weights[{j}].shard"
+            if spec is None:
+                continue
+            if world == 1:
+                bad(where, "a shard in a bundle of one rank")
+            if spec.kind == "first":
+                continue
+            if not 0 <= spec.dim < len(w.shape) or spec.ways < 1 or world % spec.ways or spec.unit < 1 or not spec.blocks:
+                bad(where, f"dim {spec.dim}, ways {spec.ways}, unit {spec.unit}, blocks {spec.blocks} for shape {w.shape} at world_size {world}")
+            if any(b < 1 or b % (spec.ways * spec.unit) for b in spec.blocks) or sum(b // spec.ways for b in spec.blocks) != w.shape[spec.dim]:
+                bad(where, f"blocks {spec.blocks} in {spec.ways} parts of whole units of {spec.unit} are not the rank's shape {w.shape} along dim {spec.dim}")
 
 
 def _check_entries(m: Manifest, bad) -> None:

@@ -149,7 +149,7 @@ def graph_weights(module: nn.Module, fp8_reading: Fp8Reading = "e4m3fn") -> list
     def spec(path: str, t: torch.Tensor, transform=None, sources=(), fmt=None, part=None, logical=None) -> WeightSpec:
         reading = fp8_reading if fmt == "fp8" else "e4m3fn"
         stored_spec = StoredSpec(fmt, part, dtype_name(logical), reading) if fmt else None
-        return WeightSpec(path, list(t.shape), dtype_name(t.dtype), list(t.stride()), transform, list(sources), stored_spec)
+        return WeightSpec(path, list(t.shape), dtype_name(t.dtype), list(t.stride()), transform, list(sources), stored_spec, None)
 
     tensors = weights_of(module)
     stored = stored_of(module)

@@ -24,7 +24,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .entry import FREEZERS, EntrySpec, entries_of
 from .errors import TraceError
-from .format import PassRecord, RegionSpec, TensorSpec, WeightSpec
+from .format import ParallelRecord, PassRecord, RegionSpec, ShardSpec, TensorSpec, WeightSpec
+from .parallel import SINGLE
 from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of, weights_of
 from .models.base import fake_tensor_mode
 from .passes import needs_static, pipeline_for, run_pipeline
@@ -84,6 +85,8 @@ class Variant:
     instances: list[tuple[str, nn.Module]]
     attributes: dict  # the differing attributes' values, when a class has several variants
     context: int | None = None  # the context bucket (EntrySpec.context); None: all of max_seq
+    layout: ParallelRecord = field(default_factory=lambda: SINGLE)  # the ranks its graph runs on (aotc.parallel)
+    shards: dict[str, ShardSpec] = field(default_factory=dict)  # WeightSpec.key -> how each rank takes it
 
     @property
     def module(self) -> nn.Module:

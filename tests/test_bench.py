@@ -346,3 +346,17 @@ def test_the_real_model_is_kept_outside_the_compile_cache(bench, monkeypatch, tm
             for k, v in env.items():
                 m.setenv(k, v)
             assert not smollm2.models_dir().resolve().is_relative_to(default_root().resolve()), env
+
+
+@pytest.mark.slow  # five aotc run processes, two of them two ranks each
+def test_parallel_ranks_decode_the_eager_tokens_and_hold_half_the_split_weights(bench):
+    run, sections = bench
+    result = sections["parallel"](run)
+    tp1, tp2, eager = result["rows"]
+    assert (tp1["ranks"], tp2["ranks"], eager["what"]) == (1, 2, "eager, one process")
+    assert tp1["tokens equal eager"] and tp2["tokens equal eager"]
+    assert tp2["vs tensor parallel 1"] == tp2["decode tokens/s"] / tp1["decode tokens/s"]
+    one, *two = result["weights"]
+    assert (one["tensor parallel"], [w["rank"] for w in two]) == (1, [0, 1])
+    for w in two:  # each rank: half of what the plan splits, all of the rest
+        assert w["split MB"] == pytest.approx(one["split MB"] / 2) and w["whole MB"] == pytest.approx(one["whole MB"])

@@ -151,8 +151,8 @@ def test_check_exits_1_when_tokens_differ(built, monkeypatch):
     _, bundle, _ = built
     bind = Bundle.bind
 
-    def bind_and_perturb(self, model):
-        bind(self, model)
+    def bind_and_perturb(self, model, **ranks):
+        bind(self, model, **ranks)
         # The compiled head only: unbind restores eager. Its argmax moves.
         wrap_steps(model.head.forward, lambda context, bucket, run: lambda args: [out + torch.linspace(0, 50, out.shape[-1]) for out in run(args)])
 

@@ -92,7 +92,7 @@ def test_build_never_reads_weight_values(model, monkeypatch):
     """weights=False checks shapes from the safetensors headers and never loads a tensor."""
     from aotc.models.checkpoint import Checkpoint
 
-    def refuse(self, names):
+    def refuse(self, names, pieces=None):
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(Checkpoint, "load", refuse)

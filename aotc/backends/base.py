@@ -184,6 +184,22 @@ def one_device(backend: str, rank: int, world_size: int) -> None:
         )
 
 
+def joined_ranks(backend: str, rank: int, world_size: int) -> None:
+    """bind's check where a backend's graphs hold torch.distributed collectives: one rank,
+    or rank `rank` of the `world_size` ranks of the process group this process joined
+    (which the graphs' collectives run on)."""
+    if world_size == 1 and rank == 0:
+        return
+    import torch.distributed as dist
+
+    joined = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    if joined != (rank, world_size):
+        raise BackendError(
+            f"bind(rank={rank}, world_size={world_size}): this process is {'rank %d of %d' % joined if joined else 'in no process group'}; "
+            f"{backend} graphs run their collectives on the process group the ranks join (aotc run starts them; aotc.parallel.join)"
+        )
+
+
 class Program(abc.ABC):
     """One loaded artifact: a graph of one entry at one bucket."""
 
@@ -235,6 +251,9 @@ class Backend(abc.ABC):
     # Peak memory of one compile in GB, which bounds parallel compiles (`--jobs`
     # default); None where a compile is a cheap file write, done in the build's process.
     compile_memory_gb: ClassVar[int | None] = None
+    # Its graphs may hold torch.distributed's functional collectives, run on the process
+    # group the ranks join (aotc.parallel): a tensor-parallel bundle can be built with it.
+    collectives_in_graph: ClassVar[bool] = False
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "Backend":

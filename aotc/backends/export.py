@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..format import ArtifactRecord, write_atomic
-from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
 from .export_archive import WEIGHTS_MEMBER, check_archive, program_inputs, program_weights
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class GraphProgram(Program):
         self.gm = gm
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
-        one_device(ExportBackend.name, rank, world_size)
+        joined_ranks(ExportBackend.name, rank, world_size)
         gm, tensors = self.gm, weights.tensors()  # the model's own tensors: the host runs the graph
         return Step(HOST, lambda args, call=0: list(gm(*tensors, *args)), tensors)
 
@@ -90,6 +90,7 @@ def _typing_with_schema_hints(namespace: dict) -> types.ModuleType:
 @register_backend
 class ExportBackend(Backend):
     name = "export"
+    collectives_in_graph = True  # the FX graph calls them as eager torch does
     files = (PROGRAM,)
 
     def version(self) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
-from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, one_device, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -62,7 +62,7 @@ class PackageProgram(Program):
         self.boxed_run = loader.boxed_run
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
-        one_device(InductorBackend.name, rank, world_size)
+        joined_ranks(InductorBackend.name, rank, world_size)
         run, tensors = self.boxed_run, weights.tensors()  # the model's own tensors, where it was put (.to(device))
 
         def step(args: list, call: int = 0) -> list:
@@ -148,6 +148,7 @@ def cpu_target(config: dict) -> str:
 @register_backend
 class InductorBackend(Backend):
     name = "inductor"
+    collectives_in_graph = True  # compiled into the package: its C shims and proxy executor run them
     files = (PACKAGE,)
     extra_type = InductorExtra
     compile_memory_gb = 2

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import parallel
 from ..backends import Backend, Progress
 from ..backends.base import get_backend_class
 from ..cache import LocalCache
@@ -90,6 +91,12 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
             done = None
         if done is not None:
             return done
+    # Graphs with collectives trace and compile under torch's fake process group (aotc.parallel).
+    with parallel.tracing(options.layout):
+        return _build(options, backend, cache, recipe, notes, progress, t0)
+
+
+def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, recipe: str | None, notes: list[str], progress: Progress, t0: float) -> BuildResult:
     p = make_plan(options, backend)
     short = memory_shortfall(p.loaded.model, p.shapes.slots, p.shapes.max_seq)
     if short:  # bundles are often built for larger hosts: a warning here, an error at run
@@ -122,8 +129,9 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
 
 def build_keys(options: BuildOptions) -> list[tuple[str, int, int | None, str]]:
     """(entry id, bucket, context bucket, cache key) of every artifact of a build, without compiling."""
-    p = make_plan(options)
-    return [(*k.id, k.key) for k in key_graphs(p, p.tasks)]
+    with parallel.tracing(options.layout):
+        p = make_plan(options)
+        return [(*k.id, k.key) for k in key_graphs(p, p.tasks)]
 
 
 def build_key(options: BuildOptions) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 import torch
@@ -38,6 +39,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], Built
         model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
         shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets)),
+        parallel=options.layout,
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
         passes=pipeline_identity(backend),
         graphs_traced=len(plan.tasks),
@@ -65,6 +67,6 @@ def _entry(variant: Variant, records, fp8_reading: str) -> EntryRecord:
         context_arg=variant.spec.context,
         variant=variant.attributes,
         instances=[path for path, _ in variant.instances],
-        weights=graph_weights(variant.module, fp8_reading),
+        weights=[dataclasses.replace(w, shard=variant.shards.get(w.key)) for w in graph_weights(variant.module, fp8_reading)],
         artifacts=records,
     )

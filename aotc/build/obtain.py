@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .. import parallel
 from ..backends import Backend, Progress, Specs
 from ..backends.export import load_program, save_program
 from ..cache import LocalCache
@@ -154,7 +155,8 @@ def _worker(options: BuildOptions, portable: _Portable, out_dir: Path | None) ->
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
     cache = LocalCache(options.cache_dir) if options.use_cache else None
-    return artifact(options.make_backend(), dataclasses.replace(portable.item, program=program), out_dir, cache, options.remote_cache)
+    with parallel.tracing(options.layout):  # inductor resolves the collectives' group while compiling
+        return artifact(options.make_backend(), dataclasses.replace(portable.item, program=program), out_dir, cache, options.remote_cache)
 
 
 def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:

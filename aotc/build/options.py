@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backends import Backend
-from ..backends.base import get_backend_class, parallel_jobs
+from ..backends.base import backend_names, get_backend_class, parallel_jobs
 from ..errors import AotcError
 from ..format import DEFAULT_ARTIFACTS, HubRecord, KvCacheRecord
 from ..kvcache import kv_cache_record
 from ..models.registry import MODELING, modeling_of
+from ..parallel import record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 # A chat turn runs in one call of 16 or 64 rows instead of padding to 128 (bench section
@@ -93,6 +94,8 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: packed fp8 caches (aotc.kvcache)
     # Whose code runs the model (models.registry.resolve): auto, aotc's own, or transformers'.
     modeling: str = "auto"
+    # Ranks the graphs are split across (aotc.parallel): one SPMD graph per artifact for all.
+    tensor_parallel: int = 1
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
 
     def __post_init__(self):
@@ -106,6 +109,8 @@ class BuildOptions:
             raise AotcError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.modeling not in MODELING:
             raise AotcError(f"--modeling {self.modeling!r}: expected one of {', '.join(MODELING)}")
+        if self.tensor_parallel < 1:
+            raise AotcError(f"--tensor-parallel {self.tensor_parallel}: expected a positive integer (1: one device)")
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
         model, out = self.model_dir.resolve(), self.out.resolve()
@@ -127,6 +132,17 @@ class BuildOptions:
             self.backend, why = default_backend()
             if why:
                 self.backend_note = f"using the export backend: inductor is unavailable: {why}"
+        if self.tensor_parallel > 1 and not get_backend_class(self.backend).collectives_in_graph:
+            able = [n for n in backend_names() if get_backend_class(n).collectives_in_graph]
+            raise AotcError(
+                f"--tensor-parallel {self.tensor_parallel} --backend {self.backend}: parallel bundles run their collectives inside "
+                f"torch graphs, on the {' and '.join(able)} backends; this backend's collectives (in its compiler's own IR) are not built yet"
+            )
+
+    @property
+    def layout(self):
+        """How the graphs split across ranks (format.ParallelRecord)."""
+        return record(self.tensor_parallel)
 
     @classmethod
     def of_manifest(cls, manifest, model_dir: Path) -> "BuildOptions":
@@ -139,6 +155,7 @@ class BuildOptions:
             chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
             kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
+            tensor_parallel=manifest.parallel.tensor_parallel,
         )  # fmt: skip
 
     def resolve_contexts(self) -> None:

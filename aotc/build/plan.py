@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from ..backends import Backend
 from ..errors import AotcError
-from ..models.base import LoadedModel, load_model, parse_config
+from ..layout import graph_weights
+from ..models.base import LoadedModel, load_model, parse_config, weight_shard
 from ..plugins import load_plugins
 from ..trace import Shapes, Variant, find_variants
 from .options import DEFAULT_MAX_SEQ, BuildOptions
@@ -38,7 +39,7 @@ class Plan:
 def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
     """Fill in what depends on the config; (config dict, model class, backend). Cheap: no torch model."""
     load_plugins(options.plugins)
-    config_dict, arch, config = parse_config(options.model_dir, modeling=options.modeling)
+    config_dict, arch, config = parse_config(options.model_dir, modeling=options.modeling, layout=options.layout)
     if options.max_seq is None:
         options.max_seq = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
     options.resolve_contexts()
@@ -48,14 +49,32 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
 def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     if backend is None:
         _, _, backend = resolve(options)
-    loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend), modeling=options.modeling)
+    loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend), modeling=options.modeling, layout=options.layout)
     shapes = Shapes.of(loaded.model, max(options.batch_buckets) + 1, options.max_seq, options.device)
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
-    variants = per_context(variants, _contexts(options, loaded.model))
+    variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model))
     tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
     return Plan(options, backend, loaded, shapes, variants, tasks)
+
+
+def with_shards(variant: Variant, model) -> Variant:
+    """The variant with its layout and how each rank takes each of its weights (keyed by
+    WeightSpec.key; a stored weight's scales with its values' shard in blocks)."""
+    layout = model.config.parallel
+    if layout.world_size == 1:
+        return variant
+    path = variant.instances[0][0]
+    shards = {}
+    for w in graph_weights(variant.module):
+        names = w.sources or [w.path]
+        specs = [weight_shard(model, f"{path}.{n}" if path else n, w.stored) for n in names]
+        if w.transform is not None and any(specs):
+            raise AotcError(f"--tensor-parallel: {variant.entry_id}'s weight {w.path} is derived ({w.transform}) from tensors the plan splits; aotc splits plain weights only")
+        if specs[0] is not None:
+            shards[w.key] = specs[0]
+    return dataclasses.replace(variant, layout=layout, shards=shards)
 
 
 def shard_of(tasks: list[tuple[Variant, int]], shard: tuple[int, int]) -> list[tuple[Variant, int]]:

@@ -17,6 +17,7 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from .. import __version__
@@ -44,6 +45,8 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
         "torch": torch.__version__,
     }
     variant = getattr(graph, "variant", None)
+    if variant is not None and variant.layout.world_size > 1:  # the parallel layout; never the rank
+        payload["parallel"] = [msgspec.to_builtins(variant.layout), msgspec.to_builtins(variant.shards)]
     code = getattr(variant.module, "aotc_code", None) if variant is not None else None
     if code is not None:  # a model whose code is another package's (transformers)
         payload["code"] = code
@@ -73,6 +76,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),
         "modeling": options.modeling,
+        "tensor_parallel": options.tensor_parallel,
         "code": model_class.code_identity(config) if hasattr(model_class, "code_identity") else {},
         "backend": [backend.name, backend.version(), backend.flags(), [p.name for p in backend.passes()]],
         "torch": torch.__version__,

@@ -9,6 +9,7 @@ unchanged whether the entries are eager or bound to a bundle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -21,12 +22,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from .. import quant
+from .. import parallel, quant
 from ..errors import ConfigError, WeightsError
-from ..format import KvCacheRecord
+from ..format import KvCacheRecord, ParallelRecord, ShardSpec
 from ..kvcache import Fp8Rows, RowLayout
 from ..layout import Stored, keep_stored, stored_at
-from .checkpoint import Checkpoint, Merged, as_stored, stored_dtype, stored_form
+from .checkpoint import Checkpoint, Merged, StoredInfo, as_stored, stored_dtype, stored_form
 from .config import ConfigReader, read_config
 from .registry import Architecture, resolve
 
@@ -76,6 +77,24 @@ class CausalLM(nn.Module):
     def tied_parameters(self) -> dict[str, str]:
         """Parameters that share another's tensor: {param: source param}."""
         return {}
+
+    @classmethod
+    def shard_specs(cls, config, degree: int) -> dict[str, ShardSpec] | None:
+        """The model's tensor-parallel plan at `degree` ranks: {parameter path, `*` for a
+        layer index: how each rank takes its part} (aotc.parallel); a parameter it does
+        not name is whole on every rank. None: the model has no plan. A model with one
+        builds each rank's sizes from config.parallel and sums or gathers across ranks
+        in its entry methods (aotc.parallel.all_reduce, all_gather)."""
+        return None
+
+    def shard_of(self, param: str) -> ShardSpec | None:
+        """How this rank takes parameter `param` from the checkpoint; None: whole."""
+        layout = self.config.parallel
+        if layout.world_size == 1:
+            return None
+        if "_shard_specs" not in self.__dict__:
+            self.__dict__["_shard_specs"] = type(self).shard_specs(self.config, layout.tensor_parallel)
+        return parallel.spec_of(self._shard_specs, param)
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (not in checkpoints) after weights were loaded."""
@@ -183,7 +202,9 @@ class LoadedModel:
     dir: Path
 
 
-def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None, modeling: str = "auto") -> tuple[dict, Architecture, object]:
+def parse_config(
+    model_dir: Path, kv_cache: KvCacheRecord | None = None, modeling: str = "auto", layout: ParallelRecord | None = None,
+) -> tuple[dict, Architecture, object]:  # fmt: skip
     config_dict = read_config(model_dir)
     source = Path(model_dir) / "config.json"
     _check_quantization(config_dict, source)
@@ -196,7 +217,24 @@ def parse_config(model_dir: Path, kv_cache: KvCacheRecord | None = None, modelin
                 f"{' or '.join(arch.model_class.kv_cache_dtypes)}; build it with --kv-cache-dtype auto"
             )
         config = dataclasses.replace(config, kv_cache=kv_cache)
+    if layout is not None and layout.world_size > 1:
+        _check_degree(arch, config, layout.tensor_parallel)
+        config = dataclasses.replace(config, parallel=layout)
     return config_dict, arch, config
+
+
+def _check_degree(arch: Architecture, config, degree: int) -> None:
+    """--tensor-parallel N: the model has a plan, and every tensor it splits splits N ways."""
+    specs_at = functools.partial(arch.model_class.shard_specs, config)
+    if specs_at(degree) is None:
+        raise ConfigError(
+            f"--tensor-parallel {degree}: {arch.name} models have no tensor-parallel plan in aotc (the llama family has: "
+            "llama, qwen2, mistral); build it with --tensor-parallel 1"
+        )
+    why = parallel.misfit(specs_at(degree), degree)
+    if why:
+        valid = parallel.valid_degrees(specs_at, max(degree, 64))
+        raise ConfigError(f"--tensor-parallel {degree}: {why}; valid degrees for this model: {', '.join(map(str, valid))}")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # model.layers.3.*, transformer.h.3.*
@@ -232,7 +270,7 @@ def _check_quantization(config: dict, source: Path) -> None:
 
 def load_model(
     model_dir: Path | str, *, weights: bool = True, stored: bool | Container[str] = False, kv_cache: KvCacheRecord | None = None,
-    modeling: str = "auto",
+    modeling: str = "auto", layout: ParallelRecord | None = None, rank: int = 0,
 ) -> LoadedModel:  # fmt: skip
     """Build the eager model of a model folder.
 
@@ -250,9 +288,12 @@ def load_model(
     kv_cache: what the caches store (default: the model's dtype); a bundle's is in
     its manifest (`model.kv_cache`). modeling: whose code runs it (registry.resolve;
     a bundle's: registry.modeling_of(its architecture)).
+
+    layout: the ranks it runs on (a bundle's `parallel`); the model is then rank
+    `rank`'s part, with its sizes, and reads only its part of each tensor it splits.
     """
     model_dir = Path(model_dir)
-    config_dict, arch, config = parse_config(model_dir, kv_cache, modeling)
+    config_dict, arch, config = parse_config(model_dir, kv_cache, modeling, layout)
     checkpoint = Checkpoint(model_dir)
     _check_layer_count(config, checkpoint)
     if not weights:
@@ -268,12 +309,12 @@ def load_model(
                 keep_stored(model, param, Stored(
                     form.format,
                     torch.empty(quant.stored_shape(form.format, expected[param].shape), dtype=stored_dtype(values.dtype)),
-                    torch.empty(scale.shape, dtype=stored_dtype(scale.dtype)),
+                    torch.empty(parallel.rank_shape(_scale_shard(model, param, form, checkpoint), scale.shape), dtype=stored_dtype(scale.dtype)),
                 ))  # fmt: skip
         return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
     with torch.device("meta"), _SkipInit():
         model = arch.model_class(config)
-    _load_weights(model, checkpoint, stored)
+    _load_weights(model, checkpoint, stored, rank)
     return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
 
 
@@ -317,11 +358,52 @@ def _sources(model: CausalLM, checkpoint: Checkpoint) -> dict[str, str | Merged]
     return out
 
 
+def _scale_shard(model: CausalLM, param: str, form: StoredInfo, checkpoint: Checkpoint) -> ShardSpec | None:
+    """The shard of a stored weight's scales: its values' shard in blocks. A split that
+    cuts a block (or packed fp4 values) is refused, naming the degrees that keep them."""
+    spec = model.shard_of(param)
+    if spec is None:
+        return None
+    block = quant.BLOCKS[form.format]
+    scaled = parallel.scaled(spec, block[spec.dim]) if form.format == "fp8" and spec.kind == "split" else spec
+    if form.format == "fp4" and spec.kind == "split" or scaled is None:
+        degree = model.config.parallel.tensor_parallel
+        specs_at = functools.partial(type(model).shard_specs, model.config)
+        pattern = next(k for k, v in model._shard_specs.items() if v is spec)
+
+        def keeps_blocks(d: int) -> bool:
+            s = specs_at(d)[pattern]
+            return form.format == "fp8" and parallel.scaled(s, block[s.dim]) is not None
+
+        valid = [d for d in parallel.valid_degrees(specs_at) if keeps_blocks(d)]
+        raise WeightsError(
+            f"{checkpoint.info(form.values).file}: --tensor-parallel {degree}: {param} ({form.values!r}) is stored as {form.format} "
+            f"with a scale per {'x'.join(map(str, block))} block, and {degree} ranks would split "
+            f"{'its packed values' if form.format == 'fp4' else 'a block'} along dim {spec.dim}; "
+            f"valid degrees for this checkpoint: {', '.join(map(str, valid)) or 'none but 1'}"
+        )
+    return scaled
+
+
+def weight_shard(model: CausalLM, param: str, stored) -> ShardSpec | None:
+    """How this rank takes one graph weight (a StoredSpec's part: an fp8 weight's scales
+    go with its values in blocks; load_model has checked that they split whole)."""
+    spec = model.shard_of(param)
+    if spec is None or stored is None or stored.part == "values" or spec.kind == "first":
+        return spec
+    return parallel.scaled(spec, quant.BLOCKS[stored.format][spec.dim])
+
+
 def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) -> dict:
-    """Check every tensor's shape from the headers; return the stored forms by parameter."""
+    """Check every tensor's shape from the headers (a rank's part: the whole tensor's);
+    return the stored forms by parameter."""
     forms = {}
     for name, p in checkpoint_tensors(model).items():
         source = sources[name]
+        spec = model.shard_of(name)
+        if spec is not None and isinstance(source, Merged):
+            raise WeightsError(f"--tensor-parallel: {name} is merged from {len(source.names)} checkpoint tensors; aotc splits whole tensors only")
+        full = parallel.full_shape(spec, tuple(p.shape))
         if isinstance(source, Merged):
             low = next((n for n in source.names if stored_form(checkpoint, n, checkpoint.info(n).shape) is not None), None)
             if low is not None:
@@ -340,11 +422,12 @@ def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) ->
             ckpt_name = source.parts[0][0]
         else:
             ckpt_name = source
-            form = stored_form(checkpoint, ckpt_name, tuple(p.shape))
+            form = stored_form(checkpoint, ckpt_name, full)
             if form is not None:
+                _scale_shard(model, name, form, checkpoint)
                 forms[name] = form
                 continue
-            info = checkpoint.check(ckpt_name, tuple(p.shape))
+            info = checkpoint.check(ckpt_name, full)
             dtype = info.dtype
         if dtype.is_floating_point != p.dtype.is_floating_point:
             raise WeightsError(
@@ -354,17 +437,32 @@ def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) ->
     return forms
 
 
-def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Container[str]) -> None:
+def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Container[str], rank: int = 0) -> None:
     expected = checkpoint_tensors(model)
     sources = _sources(model, checkpoint)
     forms = _check_checkpoint(model, checkpoint, sources)
-    names = [n for s in sources.values() for n in (s.names if isinstance(s, Merged) else [s])]
-    tensors = checkpoint.load(names + [f.scale for f in forms.values()])
+    # A rank reads only its part of each tensor it splits (and of a stored one's scales).
+    world, pieces = model.config.parallel.world_size, {}
+    for param in expected:
+        spec, form = model.shard_of(param), forms.get(param)
+        if spec is not None:
+            read = functools.partial(parallel.piece, rank=rank, world_size=world)
+            pieces[param, "values"] = (form.values if form else sources[param], functools.partial(read, spec=spec))
+            if form:
+                pieces[param, "scale"] = (form.scale, functools.partial(read, spec=_scale_shard(model, param, form, checkpoint)))
+    whole = [p for p in expected if (p, "values") not in pieces]
+    names = [n for p in whole for s in [sources[p]] for n in (s.names if isinstance(s, Merged) else [s])]
+    names += [forms[p].scale for p in whole if p in forms]
+    tensors = checkpoint.load(names, pieces)
+
+    def tensor(param: str, name: str, part: str = "values") -> torch.Tensor:
+        return tensors[param, part] if (param, part) in tensors else tensors[name]
+
     state = {}
     for param, p in expected.items():
         form = forms.get(param)
         if form is not None:
-            values, scale = as_stored(tensors[form.values]), as_stored(tensors[form.scale])
+            values, scale = as_stored(tensor(param, form.values)), as_stored(tensor(param, form.scale, "scale"))
             keep = stored if isinstance(stored, bool) else param in stored
             if keep:
                 keep_stored(model, param, Stored(form.format, values, scale))
@@ -377,7 +475,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
             continue
         source = sources[param]
         # dtype kinds checked from the headers
-        state[param] = (source.apply(tensors) if isinstance(source, Merged) else tensors[source]).to(p.dtype)
+        state[param] = (source.apply(tensors) if isinstance(source, Merged) else tensor(param, source)).to(p.dtype)
 
     def describe(param: str) -> str:
         source = sources[param]

@@ -103,15 +103,24 @@ class Checkpoint:
             )
         return info
 
-    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.info(name).file, []).append(name)
+    def load(self, names: list[str], pieces: dict | None = None) -> dict:
+        """The named tensors, and pieces: {key: (name, piece(read))} for tensors of which only
+        a part is wanted (a rank's, aotc.parallel.piece), each under its key: read(index)
+        reads just the elements at that tuple of slices (safetensors' get_slice),
+        read(None) the whole tensor."""
+        wanted = [(name, name, None) for name in names] + [(key, name, fn) for key, (name, fn) in (pieces or {}).items()]
+        by_file: dict[Path, list] = {}
+        for item in wanted:
+            by_file.setdefault(self.info(item[1]).file, []).append(item)
         out = {}
-        for file, file_names in by_file.items():
+        for file, items in by_file.items():
             with safe_open(file, framework="pt") as f:
-                for name in file_names:
-                    out[name] = f.get_tensor(name)
+                for key, name, fn in items:
+                    if fn is None:
+                        out[key] = f.get_tensor(name)
+                    else:
+                        sl = f.get_slice(name)
+                        out[key] = fn(lambda index, sl=sl: sl[:] if index is None else sl[index])
         return out
 
 

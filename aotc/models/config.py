@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from ..format import KvCacheRecord
+from ..format import KvCacheRecord, ParallelRecord
 from ..kvcache import kv_cache_record
+from ..parallel import SINGLE
 
 _MISSING = object()
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
@@ -64,6 +65,9 @@ class ModelConfig:
 
     # What the KV caches store: set by the build (--kv-cache-dtype), not by config.json.
     kv_cache: KvCacheRecord = field(default_factory=lambda: kv_cache_record("auto", "e4m3fn"), kw_only=True)
+    # How the graphs split across ranks: set by the build (--tensor-parallel), not by config.json.
+    # A model builds each rank's sizes from it (CausalLM.shard_specs).
+    parallel: ParallelRecord = field(default_factory=lambda: SINGLE, kw_only=True)
 
 
 class ConfigReader:

@@ -7,6 +7,13 @@ that they compile as one entry.
 
 Caches are two root allocations (k and v), each [layers, slots, kv_heads,
 max_seq, head_dim]: a layer's slice is contiguous and is the graph input.
+
+Tensor parallel (aotc.parallel; `shard_specs`), as gpt-fast's tp.py and
+transformers' tensor-parallel plans split it: q, k, v, gate and up by their
+outputs (a rank's heads and MLP rows), o and down by their inputs, then summed
+across ranks; KV heads split, or each on several ranks where the ranks outnumber
+them; the LM head by vocabulary, its logits gathered. The embedding and the
+norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from torch import nn
 
 from ..entry import entry
 from ..errors import ConfigError
+from ..format import ShardSpec
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
+from ..parallel import FIRST, all_gather, all_reduce, group_name, split
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .packing import pack, packed_rows, packed_visible
@@ -142,6 +151,11 @@ def _read_windows(cfg: ConfigReader, model_type: str, layers: int) -> tuple[int 
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
+def local_kv_heads(config: LlamaConfig) -> int:
+    """A rank's KV heads: its part of them, or one where the ranks outnumber them."""
+    return max(1, config.num_key_value_heads // config.parallel.tensor_parallel)
+
+
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] float32, with the config's scaling."""
     dim = config.head_dim
@@ -216,13 +230,15 @@ def softmax_attend(q, keys, values, mask, scale):
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, window: int | None):
         super().__init__()
-        hd, heads, kv, dt = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.dtype
+        n, dt = config.parallel.tensor_parallel, config.dtype
+        hd, heads, kv = config.head_dim, config.num_attention_heads // n, local_kv_heads(config)
         self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=config.qkv_bias, dtype=dt)
         self.k_proj = nn.Linear(config.hidden_size, kv * hd, bias=config.qkv_bias, dtype=dt)
         self.v_proj = nn.Linear(config.hidden_size, kv * hd, bias=config.qkv_bias, dtype=dt)
         self.o_proj = nn.Linear(heads * hd, config.hidden_size, bias=config.o_bias, dtype=dt)
         self.heads, self.kv_heads, self.head_dim = heads, kv, hd
         self.window = window  # a Python int: layers that differ compile as separate variants
+        self.group = group_name(config.parallel)  # o_proj's partial sums are summed across these ranks
         self.scale = hd**-0.5
         # fp8 caches: a row per (token, head) packs the fp8 values and their one fp32 scale.
         self.k_rows, self.v_rows = fp8_rows(config).values()
@@ -247,7 +263,7 @@ class LlamaAttention(nn.Module):
         mask = visible(positions, k_cache.shape[2], self.window)[:, None, None, :]  # [B, 1, 1, S]
         rows = (slice(None, b),)
         out = softmax_attend(q, load(self.k_rows, k_cache, rows, x.dtype), load(self.v_rows, v_cache, rows, x.dtype), mask, self.scale)  # [B, kv, rep, hd]
-        return self.o_proj(out.reshape(b, self.heads * self.head_dim))
+        return all_reduce(self.o_proj(out.reshape(b, self.heads * self.head_dim)), self.group)
 
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
         # x: [C, H], a chunk of one or more sequences' tokens (models.packing): the first
@@ -261,19 +277,22 @@ class LlamaAttention(nn.Module):
         values = packed_rows(self.v_rows, v_cache, slots, positions, dtype)
         mask = packed_visible(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
-        return self.o_proj(out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim))
+        out = out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim)
+        return all_reduce(self.o_proj(out), self.group)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        h, i, bias, dt = config.hidden_size, config.intermediate_size, config.mlp_bias, config.dtype
+        h, bias, dt = config.hidden_size, config.mlp_bias, config.dtype
+        i = config.intermediate_size // config.parallel.tensor_parallel
         self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dt)
         self.up_proj = nn.Linear(h, i, bias=bias, dtype=dt)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dt)
+        self.group = group_name(config.parallel)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.group)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -317,12 +336,14 @@ class LMHead(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype)
+        vocab = config.vocab_size // config.parallel.tensor_parallel  # a rank's part of the vocabulary
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=config.dtype)
+        self.group = group_name(config.parallel)
 
     @entry(bucket="batch")
     def forward(self, x):
-        # x: [B, H] -> logits [B, vocab] float32
-        return self.lm_head(self.norm(x)).float()
+        # x: [B, H] -> logits [B, vocab] float32 (each rank's [B, vocab / N], gathered)
+        return all_gather(self.lm_head(self.norm(x)).float(), 1, self.group)
 
     def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:
         return (torch.zeros(rows, self.lm_head.in_features, dtype=self.norm.weight.dtype),)
@@ -345,7 +366,9 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config)
         self.head = LMHead(config)
-        if config.tie_word_embeddings:
+        # A rank's head is its part of the vocabulary, the embedding whole: tied, they differ.
+        self.tied = config.tie_word_embeddings and config.parallel.world_size == 1
+        if self.tied:
             self.head.lm_head.weight = self.model.embed_tokens.weight
         # Host-side RoPE: cos and sin tables by position, shared by every layer and
         # step, made on first use (outside any meta or fake tensor context the model
@@ -355,14 +378,39 @@ class LlamaForCausalLM(CausalLM):
     _NAMES = {"head.norm.weight": "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
 
     def checkpoint_name(self, param: str) -> str:
+        if param == "head.lm_head.weight" and self.config.tie_word_embeddings and not self.tied:
+            return "model.embed_tokens.weight"  # a rank's part of the tied embedding
         return self._NAMES.get(param, param)
 
     def tied_parameters(self) -> dict[str, str]:
-        return {"head.lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+        return {"head.lm_head.weight": "model.embed_tokens.weight"} if self.tied else {}
+
+    @classmethod
+    def shard_specs(cls, config: LlamaConfig, degree: int) -> dict[str, ShardSpec]:
+        c, n, hd = config, degree, config.head_dim
+        kv = c.num_key_value_heads
+        kv_ways = kv if n > kv and n % kv == 0 else n  # more ranks than KV heads: each on n / kv ranks
+        layer = "model.layers.*."
+        q, k = split(0, c.num_attention_heads * hd, n, hd), split(0, kv * hd, kv_ways, hd)
+        gate = split(0, c.intermediate_size, n)
+        specs = {
+            f"{layer}self_attn.q_proj.weight": q, f"{layer}self_attn.k_proj.weight": k, f"{layer}self_attn.v_proj.weight": k,
+            f"{layer}self_attn.o_proj.weight": split(1, c.num_attention_heads * hd, n, hd),
+            f"{layer}mlp.gate_proj.weight": gate, f"{layer}mlp.up_proj.weight": gate,
+            f"{layer}mlp.down_proj.weight": split(1, c.intermediate_size, n),
+            "head.lm_head.weight": split(0, c.vocab_size, n),
+        }  # fmt: skip
+        if c.qkv_bias:
+            specs |= {f"{layer}self_attn.q_proj.bias": q, f"{layer}self_attn.k_proj.bias": k, f"{layer}self_attn.v_proj.bias": k}
+        if c.o_bias:  # added once: by rank 0, before the sum
+            specs[f"{layer}self_attn.o_proj.bias"] = FIRST
+        if c.mlp_bias:
+            specs |= {f"{layer}mlp.gate_proj.bias": gate, f"{layer}mlp.up_proj.bias": gate, f"{layer}mlp.down_proj.bias": FIRST}
+        return specs
 
     def cache_specs(self, slots, max_seq):
         c = self.config
-        rows, lead = fp8_rows(c), (c.num_hidden_layers, slots, c.num_key_value_heads, max_seq)
+        rows, lead = fp8_rows(c), (c.num_hidden_layers, slots, local_kv_heads(c), max_seq)
         return {"k": row_spec(rows["k"], lead, c.head_dim, key_dtype(c)), "v": row_spec(rows["v"], lead, c.head_dim, c.dtype)}
 
     def cache_rows(self):

@@ -25,7 +25,7 @@ from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, crossed_weights, read_manifest
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
-from ..models.base import LoadedModel
+from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
 from ..plugins import load_plugins
 from ..kvcache import Regions
@@ -135,7 +135,7 @@ class Bundle:
         config_class = type(loaded.config)
         ours = dataclasses.asdict(loaded.config)
         theirs = config_class.from_hf(ConfigReader(built.config, f"{self.dir}/{MANIFEST}"))
-        theirs = dataclasses.asdict(dataclasses.replace(theirs, kv_cache=built.kv_cache))
+        theirs = dataclasses.asdict(dataclasses.replace(theirs, kv_cache=built.kv_cache, parallel=self.manifest.parallel))
         for key in ours:
             if key in config_class.RUNTIME_ONLY:
                 continue
@@ -164,6 +164,13 @@ class Bundle:
             raise BundleError(f"{self.dir}: loaded without its artifacts (load_artifacts=False); it cannot run")
         if len(self.programs) != len(list(self.manifest.artifacts())):
             raise BundleError(f"{self.dir}: loaded with {len(self.programs)} of its artifacts (only=); load them all to run it")
+        layout = self.manifest.parallel
+        if world_size != layout.world_size or model.config.parallel != layout:
+            raise BundleError(
+                f"{self.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); bind(world_size={world_size}) "
+                f"of a model loaded for {model.config.parallel.world_size}: load each rank's part with load_model(layout=the bundle's "
+                "parallel record, rank=r) and bind it with that rank (aotc run does)"
+            )
         weights = bound_weights(self.manifest, model, self.dir)
         device = self.backend.device_for(rank, world_size)
         memo = StepMemo()
@@ -271,8 +278,23 @@ def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tu
                 instance = model.get_submodule(path)
             except AttributeError:
                 raise BundleError(f"{bundle}: entry {entry.id} is for module {path!r}, which the model does not have") from None
+            for w in entry.weights:
+                _check_shard(model, path, w, bundle)
             out[entry.id, path] = Weights([functools.partial(_weight, instance, path, w, bundle, shared) for w in entry.weights])
     return out
+
+
+def _check_shard(model: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> None:
+    """The rank's part of the weight that the model loaded must be the one the graphs take."""
+    if model.config.parallel.world_size == 1:
+        return
+    param = f"{path}.{spec.path}" if path else spec.path
+    have = weight_shard(model, param, spec.stored)
+    if have != spec.shard:
+        raise BundleError(
+            f"{bundle}: weight {param} is split {spec.shard} in the bundle, but the model loads it {have}; "
+            "the bundle was built by another parallel plan. Rebuild it (aotc build --tensor-parallel N)"
+        )
 
 
 def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, shared: dict) -> torch.Tensor:

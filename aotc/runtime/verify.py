@@ -44,7 +44,7 @@ from .. import quant
 from ..backends import Backend, get_backend_class
 from ..backends.base import DeviceBuffer
 from ..entry import entries_of
-from ..errors import AotcError
+from ..errors import AotcError, BundleError
 from ..format import Manifest, read_manifest
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
 from ..models.base import full_precision, load_model, memory_shortfall, reference_model
@@ -113,6 +113,12 @@ def verify(
     path = Path(path)
     load_plugins(plugins)  # a plugin may register the bundle's backend
     manifest = read_manifest(path)
+    if manifest.parallel.world_size > 1:
+        raise BundleError(
+            f"{path} runs on {manifest.parallel.world_size} ranks (--tensor-parallel {manifest.parallel.tensor_parallel}): its graphs "
+            "sum and gather across ranks, which one process cannot run alone. Check it with aotc run --check, which starts the "
+            "ranks and compares them with the whole eager model"
+        )
     chosen = manifest.select(entry_id, bucket, context)
     name = manifest.backend.name
     backend = get_backend_class(name)(**manifest.backend.flags)

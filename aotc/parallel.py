@@ -1,0 +1,221 @@
+"""Tensor parallelism: one SPMD graph per artifact, run by every rank.
+
+A model with a parallel plan (`CausalLM.shard_specs`) is built at a degree N
+with each rank's sizes (its heads, its rows of the MLP, its part of the
+vocabulary), and its entry methods call the functional collectives below
+where a rank's partial result must be summed or gathered. The build traces
+it once, at rank 0, under torch's fake process group; the graph names the
+group by its string name and holds no rank, so the same artifact serves every
+rank (rank 1's trace is the same graph: tests check their cache keys). At run
+time every rank joins a real process group of that name (gloo on the CPU),
+and each loads only its own part of each checkpoint tensor (`piece`: the byte
+ranges safetensors' `get_slice` reads).
+
+The collectives stay inside the graphs on export and inductor: AOTInductor on
+the CPU compiles all_reduce and wait_tensor through its C shims and
+all_gather_into_tensor through its proxy executor (DESIGN.md, Facts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from typing import Iterator
+
+import torch
+
+from .errors import AotcError
+from .format import GroupRecord, ParallelRecord, ShardSpec
+
+SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, groups=[], collectives="none")
+# A collective that waits longer than this on a rank that died or hangs fails on the
+# others (the launcher ends them first, within seconds, when it sees a rank die).
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def record(degree: int) -> ParallelRecord:
+    """The layout of a build at tensor-parallel degree `degree`: one group of every rank,
+    named as torch names the default group (the graphs' collectives carry the name)."""
+    if degree == 1:
+        return SINGLE
+    return ParallelRecord(world_size=degree, tensor_parallel=degree, groups=[GroupRecord("0", list(range(degree)))], collectives="in-graph")
+
+
+def group_name(layout: ParallelRecord) -> str | None:
+    """The group a model's collectives run on; None for one rank (no collective at all)."""
+    return layout.groups[0].name if layout.world_size > 1 else None
+
+
+def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
+    """The sum of every rank's x (a row-parallel product's partial sums)."""
+    if group is None:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", group)  # waited for where it is first read (wait_tensor in a graph)
+
+
+def all_gather(x: torch.Tensor, dim: int, group: str | None) -> torch.Tensor:
+    """Every rank's x, concatenated along `dim` in rank order (a vocabulary-split head's logits)."""
+    if group is None:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_single(x, dim, group)
+
+
+# -- shards --------------------------------------------------------------------
+
+
+def split(dim: int, size: int, ways: int, unit: int = 1) -> ShardSpec:
+    return ShardSpec("split", dim, [size], ways, unit)
+
+
+FIRST = ShardSpec("first", 0, [], 1, 1)
+
+
+def fits(spec: ShardSpec) -> bool:
+    """Whether each block divides into `ways` parts of whole units."""
+    return spec.kind == "first" or all(b % (spec.ways * spec.unit) == 0 for b in spec.blocks)
+
+
+def full_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint tensor's shape of a rank's part of `shape`."""
+    if spec is None or spec.kind == "first":
+        return tuple(shape)
+    return tuple(sum(spec.blocks) if d == spec.dim else n for d, n in enumerate(shape))
+
+
+def rank_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a rank's part of a checkpoint tensor of `shape`."""
+    if spec is None or spec.kind == "first":
+        return tuple(shape)
+    return tuple(sum(b // spec.ways for b in spec.blocks) if d == spec.dim else n for d, n in enumerate(shape))
+
+
+def ranges(spec: ShardSpec, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The index ranges along spec.dim that rank `rank` takes, one per block."""
+    part = rank * spec.ways // world_size
+    out, at = [], 0
+    for block in spec.blocks:
+        size = block // spec.ways
+        out.append((at + part * size, at + (part + 1) * size))
+        at += block
+    return out
+
+
+def piece(read, *, spec: ShardSpec | None, rank: int, world_size: int) -> torch.Tensor:
+    """A rank's part of one checkpoint tensor: read(index) reads the tensor's elements at a
+    tuple of slices, read(None) all of them (safetensors' get_slice: only those bytes)."""
+    if spec is None:
+        return read(None)
+    if spec.kind == "first":
+        first = read(None)
+        return first if rank == 0 else torch.zeros_like(first)
+    lead = (slice(None),) * spec.dim
+    parts = [read((*lead, slice(start, end))) for start, end in ranges(spec, rank, world_size)]
+    # A part along an inner dim is a strided view; graphs take weights with their traced strides.
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
+
+
+def scaled(spec: ShardSpec | None, block: int) -> ShardSpec | None:
+    """The shard of a block-scale tensor (a scale per `block` elements along each dim) that
+    goes with its values' `spec`; None where the values' parts split a block."""
+    if spec is None or spec.kind == "first":
+        return spec
+    if any((b // spec.ways) % block for b in spec.blocks):
+        return None
+    return ShardSpec("split", spec.dim, [b // block for b in spec.blocks], spec.ways, 1)
+
+
+def spec_of(specs: dict[str, ShardSpec], param: str) -> ShardSpec | None:
+    """The shard of parameter `param` in a plan whose names hold `*` for a layer index."""
+    if param in specs:
+        return specs[param]
+    for pattern, spec in specs.items():
+        if "*" in pattern and re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), param):
+            return spec
+    return None
+
+
+def misfit(specs: dict[str, ShardSpec], degree: int) -> str | None:
+    """What does not split at `degree`, or None: each block in `ways` parts of whole units,
+    the ranks a multiple of the parts."""
+    for name, s in specs.items():
+        if s.kind == "split" and (not fits(s) or degree % s.ways):
+            what = f"{sum(s.blocks)} rows" + (f" ({sum(s.blocks) // s.unit} heads of {s.unit})" if s.unit > 1 else "")
+            return f"{name} has {what} along dim {s.dim}, which do not split into {degree} equal parts"
+    return None
+
+
+def valid_degrees(specs_at, limit: int = 64) -> list[int]:
+    """The degrees up to `limit` at which every shard fits: specs_at(degree) -> {name: spec}."""
+    return [d for d in range(1, limit + 1) if misfit(specs_at(d), d) is None]
+
+
+# -- process groups ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def tracing(layout: ParallelRecord, rank: int = 0) -> Iterator[None]:
+    """torch's fake process group at `rank` of the layout's world, for tracing (and
+    compiling) graphs that hold collectives: no store, no peer, no communication."""
+    if layout.world_size == 1:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise AotcError("--tensor-parallel: this process already joined a process group; build in a process of its own")
+    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    try:
+        check_groups(layout)
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def check_groups(layout: ParallelRecord) -> None:
+    """The process group this process joined must be the one the graphs name."""
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    if name != layout.groups[0].name or dist.get_world_size() != layout.world_size:
+        raise AotcError(
+            f"the process group is {name!r} of {dist.get_world_size()} ranks, but the bundle's graphs run on group "
+            f"{layout.groups[0].name!r} of {layout.world_size}; start the ranks with aotc run (or torchrun) and nothing else "
+            "creating groups first"
+        )
+
+
+def joined_rank() -> tuple[int, int] | None:
+    """(rank, world size) where this process is one rank of a launch (aotc run's own, or
+    torchrun's: RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise AotcError(
+            f"RANK={os.environ.get('RANK')!r} WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}: a rank of a launch needs both, "
+            "as integers (torchrun sets them); unset both to let aotc run start the ranks itself"
+        ) from None
+    if not 0 <= rank < world:
+        raise AotcError(f"RANK={rank} WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    return rank, world
+
+
+def join(layout: ParallelRecord, rank: int, device: str) -> None:
+    """Join the launch's process group (MASTER_ADDR and MASTER_PORT from the environment):
+    gloo on the CPU, nccl where the graphs run on CUDA (each rank on its local GPU)."""
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        backend = "nccl"
+    dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=TIMEOUT)
+    check_groups(layout)

@@ -1,0 +1,125 @@
+"""Starting and watching the local ranks of a parallel run (`aotc run` on a parallel bundle).
+
+Each rank is the same `aotc run` command in a process of its own, with the
+environment torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a rank started here and one
+started by torchrun take one path. Rank 0 writes to this terminal; the others'
+output is kept, and shown when that rank fails.
+
+A rank that dies leaves the others blocked in a collective until the process
+group's timeout (aotc.parallel.TIMEOUT). The launcher does not wait for that: it
+polls its children, and when one exits with an error it ends the rest and exits 1
+naming that rank. Each child dies with the launcher (PR_SET_PDEATHSIG), so a
+killed launcher leaves no rank behind either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+POLL_S = 0.05
+GRACE_S = 2.0  # SIGTERM, then SIGKILL after this
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers still end the ranks
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(local_world: int) -> int:
+    """The CPUs each local rank's kernels get: the machine's, shared out."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // local_world)
+
+
+def launch(argv: list[str], world_size: int, out=None) -> tuple[int, str | None]:
+    """Run `python -m aotc ARGV` as ranks 0..world_size-1 and watch them. Returns (exit
+    status, what went wrong or None): rank 0's status when every rank ends by itself,
+    else 1 with the rank that failed first."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    logs = tempfile.TemporaryDirectory(prefix="aotc-ranks-")
+    children: list[subprocess.Popen] = []
+    try:
+        for rank in range(world_size):
+            log = None if rank == 0 else open(Path(logs.name) / f"rank{rank}.log", "wb")
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "aotc", *argv], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=out if rank == 0 else log, stderr=None if rank == 0 else log, preexec_fn=_die_with_parent,
+            ))  # fmt: skip
+        return _watch(children, logs.name)
+    finally:
+        _end(children)
+        logs.cleanup()
+
+
+def _watch(children: list[subprocess.Popen], logs: str) -> tuple[int, str | None]:
+    while True:
+        codes = [c.poll() for c in children]
+        # The others fail in turn when their collective loses its peer: a rank killed by a
+        # signal is the cause where several are seen failed at once.
+        failed = sorted((code > 0, r) for r, code in enumerate(codes) if code not in (None, 0))
+        if failed and (any(code is None for code in codes) or failed[0][1] != 0):
+            rank = failed[0][1]
+            return 1, f"rank {rank} {_how(codes[rank])}" + _tail(Path(logs) / f"rank{rank}.log")
+        if all(code is not None for code in codes):
+            return codes[0], None
+        time.sleep(POLL_S)
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _tail(log: Path, lines: int = 12) -> str:
+    if not log.is_file():
+        return ""
+    text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    return (":\n" + "\n".join(text)) if text else ""
+
+
+def _end(children: list[subprocess.Popen]) -> None:
+    """End every child still running: SIGTERM, then SIGKILL after a grace period."""
+    for c in children:
+        if c.poll() is None:
+            c.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for c in children:
+        try:
+            c.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
+
+
+def leave(gen) -> None:
+    """A rank's end of a parallel generation: every rank must have made the same tokens (the
+    same buckets, the same gathered logits), then it leaves the process group."""
+    import torch.distributed as dist
+
+    mine = [s.new_ids for s in gen.sequences]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    dist.destroy_process_group()
+    differs = [r for r, theirs in enumerate(every) if theirs != every[0]]
+    if differs:
+        from ..errors import AotcError
+
+        raise AotcError(f"ranks {', '.join(map(str, differs))} generated other tokens than rank 0; the ranks must run the same graphs on the same inputs")

@@ -1,0 +1,77 @@
+"""parallel: batch-1 decode of one bundle at --tensor-parallel 1 and 2, ~100M model (tiny
+under --quick), each through `aotc run --check` in fresh processes (TP=2: two local gloo
+ranks, each with half the cores), beside eager in one process; and the weight bytes each
+rank holds, by kind. On a machine of 2 cores this shows correctness and the collectives'
+overhead, not a speed-up: two ranks of one thread each do the work of one process of two
+threads, plus two all-reduces a layer and a gather of the logits per step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from aotc import parallel
+from aotc.models.base import load_model
+from aotc.runtime import Bundle
+from common import MAX_SEQ, Run, section, table
+
+PROMPT = "Once upon a time there was a small model that learned to count: one, two, three,"
+
+
+def _aotc_run(args: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "aotc", "run", *args, "--json", "--prompt", PROMPT], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"parallel: aotc run {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rank_bytes(bundle_dir, model_dir, degree: int) -> list[dict]:
+    """The weight bytes each rank's graphs hold (what bind hands them), split into the
+    tensors the plan at `degree` splits and those every rank holds whole; the embedding
+    table, looked up on the host, is whole on every rank beside them."""
+    bundle = Bundle.load(bundle_dir)
+    layout = bundle.manifest.parallel
+    rows = []
+    for rank in range(layout.world_size):
+        with parallel.tracing(layout, rank=rank):  # bind's check wants a rank of a group of that size
+            model = load_model(model_dir, layout=layout, rank=rank).model
+            bundle.bind(model, rank=rank, world_size=layout.world_size)
+        plan = type(model).shard_specs(model.config, degree)
+        shard = {p.data_ptr(): parallel.spec_of(plan, n) for n, p in model.named_parameters()}
+        held = {t.data_ptr(): t for m in model.modules() for d in vars(m).values() if hasattr(d, "steps") for s in d.steps.values() for st in s.values() for t in st.weights}
+        split = sum(t.nbytes for k, t in held.items() if shard.get(k) is not None)
+        rows.append({
+            "tensor parallel": layout.tensor_parallel, "rank": rank, "split MB": split / 1e6, "whole MB": (sum(t.nbytes for t in held.values()) - split) / 1e6,
+            "embedding (host) MB": model.model.embed_tokens.weight.nbytes / 1e6,
+        })  # fmt: skip
+    return rows
+
+
+@section("parallel")
+def parallel_section(run: Run) -> dict:
+    name = run.main
+    model_dir = run.model(name)
+    new = "16" if run.quick else "64"
+    bundles = {n: run.bundle(model_dir, f"parallel-tp{n}", batch_buckets=(1,), chunk_buckets=(64,), tensor_parallel=n) for n in (1, 2)}
+    eager = _aotc_run([str(model_dir), "--eager", "--max-new-tokens", new])
+    rows, weights = [], []
+    for n, out in bundles.items():
+        report = _aotc_run([str(out), "--check", "--max-new-tokens", new])
+        t = report["timings"]
+        rows.append({
+            "what": f"aotc {run.backend}, tensor parallel {n}", "ranks": n, "decode tokens/s": t["decode_tokens_per_s"],
+            "ttft ms": t["ttft_s"] * 1e3, "tokens equal eager": report["check"]["tokens_equal"] and report["prompts"][0]["new_ids"] == eager["prompts"][0]["new_ids"],
+            "max logit diff": report["check"]["max_logit_diff"],
+        })  # fmt: skip
+        weights += rank_bytes(out, model_dir, max(bundles))
+    rows.append({"what": "eager, one process", "ranks": 1, "decode tokens/s": eager["timings"]["decode_tokens_per_s"], "ttft ms": eager["timings"]["ttft_s"] * 1e3})
+    one = rows[0]["decode tokens/s"]
+    for r in rows:
+        r["vs tensor parallel 1"] = r["decode tokens/s"] / one
+    split1 = weights[0]["split MB"]
+    for w in weights:
+        w["split / TP=1's split"] = w["split MB"] / split1
+    table(f"batch-1 decode, {name} model, {new} new tokens, max_seq {MAX_SEQ} (2 cores: correctness and overhead, not speed)", rows)
+    table("weight bytes each rank's graphs hold", weights)
+    return {"model": name, "new_tokens": int(new), "rows": rows, "weights": weights}

@@ -1,0 +1,332 @@
+"""Tensor-parallel bundles: one SPMD graph per artifact, run by every rank (aotc.parallel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aotc import parallel
+from aotc.build import BuildOptions, build
+from aotc.build.key import key_graphs
+from aotc.build.plan import make_plan
+from aotc.errors import AotcError
+from aotc.format import ShardSpec
+from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
+from aotc.runtime import Bundle, generate
+from .conftest import LOGIT_ATOL
+
+# Prompts of the generation tests: batch 1, and batch 3 with one over two chunks of 16.
+PROMPTS = ["Hello, world!", "Once upon a time there was a small model that learned to count: one, two, three, four, five, six, seven, eight", "Hi"]
+
+
+def tp_options(model_dir, out, backend="export", degree=2, **more) -> BuildOptions:
+    return BuildOptions(model_dir, out=out, batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=128, backend=backend, tensor_parallel=degree, **more)
+
+
+@pytest.fixture(scope="module")
+def tp_bundle(tiny_dir, tmp_path_factory):
+    return build(tp_options(tiny_dir, tmp_path_factory.mktemp("tp") / "tp2"))
+
+
+def aotc(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aotc", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12) -> dict:
+    args = ["run", bundle, "--check", "--json", "--max-new-tokens", new_tokens, "--max-batch", 3]
+    for p in prompts:
+        args += ["--prompt", p]
+    done = aotc(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def eager_tokens(model_dir: Path, report: dict, new_tokens: int) -> list[list[int]]:
+    """The unsharded eager model's greedy tokens for the report's prompts."""
+    model = load_model(model_dir).model
+    prompts = [p["prompt_ids"] for p in report["prompts"]]
+    got = generate(model, prompts, new_tokens, max_batch=len(prompts), max_seq=128, slots=5, stop_at_eos=False)
+    return [s.new_ids for s in got.sequences]
+
+
+# -- shards ----------------------------------------------------------------------
+
+
+def test_a_rank_takes_its_part_and_kv_heads_repeat_where_ranks_outnumber_them():
+    full = torch.arange(8 * 3).view(8, 3)
+
+    def read(index):
+        return full.clone() if index is None else full[index]
+
+    heads = parallel.split(0, 8, 2, unit=2)  # 2 KV heads of 2 rows on 4 ranks: each on 2
+    got = [parallel.piece(read, spec=heads, rank=r, world_size=4) for r in range(4)]
+    for r in range(4):
+        torch.testing.assert_close(got[r], full[(r // 2) * 4 : (r // 2 + 1) * 4])
+    cols = parallel.split(1, 3, 3)
+    assert parallel.piece(read, spec=cols, rank=1, world_size=3).is_contiguous()
+    torch.testing.assert_close(parallel.piece(read, spec=cols, rank=1, world_size=3), full[:, 1:2])
+    fused = ShardSpec("split", 0, [4, 4], 2, 1)  # two fused blocks: a rank takes its half of each
+    torch.testing.assert_close(parallel.piece(read, spec=fused, rank=1, world_size=2), full[[2, 3, 6, 7]])
+    assert (parallel.piece(read, spec=parallel.FIRST, rank=1, world_size=2) == 0).all()
+    torch.testing.assert_close(parallel.piece(read, spec=parallel.FIRST, rank=0, world_size=2), full)
+
+
+def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir, monkeypatch):
+    from aotc.models import checkpoint
+
+    whole, sliced = [], []
+    real = checkpoint.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.inner.get_tensor(name)
+
+        def get_slice(self, name):
+            sliced.append(name)
+            return self.inner.get_slice(name)
+
+        def __getattr__(self, name):  # the header readers (keys, get_slice's shapes)
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(checkpoint, "safe_open", Recording)
+    layout = parallel.record(2)
+    parts = [load_model(tiny_dir, layout=layout, rank=r).model for r in range(2)]
+    monkeypatch.undo()
+    full = load_model(tiny_dir).model
+    assert "model.layers.0.self_attn.q_proj.weight" in sliced and "model.layers.0.self_attn.q_proj.weight" not in whole
+    assert "model.embed_tokens.weight" in whole and "model.layers.0.input_layernorm.weight" in whole
+    q = full.model.layers[1].self_attn.q_proj.weight
+    torch.testing.assert_close(torch.cat([p.model.layers[1].self_attn.q_proj.weight for p in parts]), q, rtol=0, atol=0)
+    down = full.model.layers[0].mlp.down_proj.weight
+    torch.testing.assert_close(torch.cat([p.model.layers[0].mlp.down_proj.weight for p in parts], dim=1), down, rtol=0, atol=0)
+    assert parts[1].cache_specs(5, 128)["k"][0] == (2, 5, 1, 128, 64)  # one of the 2 KV heads
+
+
+def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degrees(tiny_dir, tmp_path):
+    with pytest.raises(AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"):
+        build(tp_options(tiny_dir, tmp_path / "b", degree=3))
+    with pytest.raises(AotcError, match=r"--tensor-parallel 2 --backend xla: .*export and inductor"):
+        tp_options(tiny_dir, tmp_path / "b", backend="xla")
+    v4 = write_tiny(tmp_path / "v4", arch="deepseek_v4")
+    with pytest.raises(AotcError, match="deepseek_v4 models have no tensor-parallel plan"):
+        build(tp_options(v4, tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_split_through_an_fp8_block_is_refused_at_build(tmp_path):
+    fp8 = write_tiny(tmp_path / "fp8", layers=1, quantize="fp8")
+    # k_proj has 2 KV heads of 64 rows: one 128-row block, which 2 ranks would cut in half.
+    with pytest.raises(AotcError, match=r"--tensor-parallel 2: model\.layers\.0\.self_attn\.k_proj\.weight .* fp8 .*128x128 block.* split a block along dim 0; valid degrees for this checkpoint: 1$"):
+        build(tp_options(fp8, tmp_path / "b"))
+
+
+# -- the bundle ------------------------------------------------------------------
+
+
+def test_one_graph_per_artifact_serves_every_rank(tp_bundle, tiny_dir, tmp_path):
+    m = tp_bundle.manifest
+    single = build(tp_options(tiny_dir, tmp_path / "tp1", degree=1)).manifest
+    assert (m.parallel.world_size, m.parallel.tensor_parallel, m.parallel.collectives) == (2, 2, "in-graph")
+    assert [g.ranks for g in m.parallel.groups] == [[0, 1]]
+    assert sorted((e.id, a.bucket, a.context) for e, a in m.artifacts()) == sorted((e.id, a.bucket, a.context) for e, a in single.artifacts())
+    weights = {w.path: w for w in m.entry("LlamaDecoderLayer.decode").weights}
+    assert weights["self_attn.q_proj.weight"].shape == [128, 256] and weights["self_attn.q_proj.weight"].shard.ways == 2
+    assert weights["mlp.down_proj.weight"].shape == [256, 344] and weights["mlp.down_proj.weight"].shard.dim == 1
+    assert weights["input_layernorm.weight"].shard is None
+    assert m.caches["k"].shape[2] == 1  # a rank's KV heads
+    bundle = Bundle.load(tp_bundle.out)
+    counts = {}
+    for (entry, _, _), program in bundle.programs.items():
+        targets = [str(n.target) for n in program.gm.graph.nodes if n.op == "call_function"]
+        counts[entry] = {op: sum(t == f"_c10d_functional.{op}.default" for t in targets) for op in ("all_reduce", "all_gather_into_tensor", "wait_tensor")}
+    # attention's o_proj and the MLP's down_proj summed; the head's logits gathered
+    assert counts["LlamaDecoderLayer.decode"] == counts["LlamaDecoderLayer.prefill"] == {"all_reduce": 2, "all_gather_into_tensor": 0, "wait_tensor": 2}
+    assert counts["LMHead.forward"] == {"all_reduce": 0, "all_gather_into_tensor": 1, "wait_tensor": 1}
+
+
+def test_inspect_shows_the_layout_and_verify_points_at_run_check(tp_bundle):
+    shown = aotc("inspect", tp_bundle.out)
+    assert shown.returncode == 0 and "tensor parallel 2 (collectives in-graph; shapes per rank)" in shown.stdout
+    refused = aotc("verify", tp_bundle.out)
+    assert refused.returncode == 2 and "runs on 2 ranks" in refused.stderr and "aotc run --check" in refused.stderr
+
+
+def test_rank_0_and_rank_1_traces_have_equal_cache_keys(tiny_dir, tmp_path):
+    options = tp_options(tiny_dir, tmp_path / "b", use_cache=False)
+    keys = []
+    for rank in (0, 1):
+        with parallel.tracing(options.layout, rank=rank):
+            plan = make_plan(options)
+            keys.append([(k.id, k.key) for k in key_graphs(plan, plan.tasks[:3])])
+    assert keys[0] == keys[1]
+    single = tp_options(tiny_dir, tmp_path / "b", degree=1, use_cache=False)
+    plan = make_plan(single)
+    assert {k.key for k in key_graphs(plan, plan.tasks[:3])}.isdisjoint(k for _, k in keys[0])
+
+
+def test_each_rank_holds_half_the_split_weights_and_all_the_whole_ones(tp_bundle, tiny_dir):
+    bundle = Bundle.load(tp_bundle.out)
+    full = load_model(tiny_dir).model
+    split = sum(p.nbytes for n, p in full.named_parameters() if full.shard_specs(full.config, 2) and parallel.spec_of(full.shard_specs(full.config, 2), n))
+    whole = sum(p.nbytes for n, p in full.named_parameters() if n != "model.embed_tokens.weight") - split
+    for rank in (0, 1):
+        with parallel.tracing(bundle.manifest.parallel, rank=rank):  # bind's check: a rank of a 2-rank group
+            model = load_model(tiny_dir, layout=bundle.manifest.parallel, rank=rank).model
+            bundle.bind(model, rank=rank, world_size=2)
+        bound = {id(t): t.nbytes for m in model.modules() for d in vars(m).values() if hasattr(d, "steps") for s in d.steps.values() for st in s.values() for t in st.weights}
+        assert sum(bound.values()) == split // 2 + whole, (sum(bound.values()), split, whole)
+    with pytest.raises(AotcError, match="runs on 2 ranks"):
+        bundle.bind(load_model(tiny_dir).model)
+
+
+# -- running ---------------------------------------------------------------------
+
+
+def test_two_local_ranks_generate_the_unsharded_eager_tokens(tp_bundle, tiny_dir):
+    report = run_json(tp_bundle.out, PROMPTS + ["Good morning"])  # --max-batch 3: a batch of 3, then one of 1
+    assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
+    assert report["check"]["max_logit_diff"] <= LOGIT_ATOL["export"]
+    assert len(report["prompts"][1]["prompt_ids"]) > 2 * 16  # over two chunks
+    assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
+
+
+def test_a_tied_head_and_a_kv_head_on_both_ranks(tmp_path):
+    """qwen2's tiny model: one KV head (each rank holds it), q/k/v and MLP biases split with
+    their rows, down_proj's bias added by rank 0 alone before the sum, and an LM head tied
+    to the embedding (a rank's head is its rows of it)."""
+    qwen = write_tiny(tmp_path / "qwen", arch="qwen2", layers=2, mlp_bias=True)
+    bundle = build(tp_options(qwen, tmp_path / "tp2"))
+    weights = {w.path: w for w in bundle.manifest.entry("LlamaDecoderLayer.decode").weights}
+    assert weights["self_attn.k_proj.weight"].shard.ways == 1 and weights["self_attn.k_proj.bias"].shard.ways == 1
+    assert weights["self_attn.q_proj.bias"].shard.ways == 2 and weights["mlp.up_proj.bias"].shard.ways == 2
+    assert weights["mlp.down_proj.bias"].shard.kind == "first"
+    report = run_json(bundle.out, PROMPTS)
+    assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
+    assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(qwen, report, 12)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
+    """{rank: pid} of a launcher's children, once all have started."""
+    for _ in range(400):
+        found = {}
+        for c in _children(launcher.pid):
+            try:
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{c}/environ").read_text().split("\0") if "=" in kv)
+            except FileNotFoundError:
+                continue
+            if "RANK" in env:
+                found[int(env["RANK"])] = c
+        if len(found) == world:
+            return found
+        time.sleep(0.01)
+    raise AssertionError("the launcher started no ranks")
+
+
+@pytest.mark.parametrize("when", ["generating", "before joining"])
+def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(tp_bundle, when):
+    """Killed while generating, rank 0's collective fails at once; killed before it joins the
+    group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi", "--max-new-tokens", "110"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started = threading.Event()
+    threading.Thread(target=lambda: (launcher.stdout.readline(), started.set()), daemon=True).start()
+    try:
+        ranks = _ranks(launcher)
+        if when == "generating":
+            assert started.wait(120), "rank 0 printed nothing"
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = launcher.wait(90)
+        took = time.monotonic() - t0
+    finally:
+        launcher.kill()
+    assert code == 1 and took < 10, (code, took)
+    assert "rank 1 was killed by SIGKILL" in launcher.stderr.read()
+    assert not any(_alive(pid) for pid in ranks.values())
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it(tp_bundle):
+    launcher = subprocess.Popen([sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _ranks(launcher)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 2  # a rank alone takes longer than this to start up and generate
+    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in ranks.values())
+
+
+def test_a_rank_of_a_torchrun_launch_joins_it(tp_bundle, tiny_dir):
+    """torchrun's own launcher: each worker is `aotc run` with RANK and WORLD_SIZE set."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), "-m", "aotc",
+         "run", str(tp_bundle.out), "--json", "--max-new-tokens", "8", "--prompt", PROMPTS[1]],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1  # rank 0 reports
+    assert [p["new_ids"] for p in reports[0]["prompts"]] == eager_tokens(tiny_dir, reports[0], 8)
+
+
+def parallel_port() -> int:
+    from aotc.runtime.launch import free_port
+
+    return free_port()
+
+
+@pytest.mark.slow
+def test_fp8_weights_split_along_whole_blocks(tmp_path):
+    """An fp8 checkpoint whose rows per rank are whole 128-row blocks: each rank reads its
+    values and its rows of block scales, and the bundle keeps to the fidelity rule against
+    the whole model's float32 reference."""
+    fp8 = write_tiny(tmp_path / "fp8", layers=2, quantize="fp8", hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024)
+    bundle = build(tp_options(fp8, tmp_path / "tp2"))
+    weights = {w.key: w for w in bundle.manifest.entry("LlamaDecoderLayer.decode").weights}
+    assert weights["self_attn.k_proj.weight:values"].shape == [128, 512] and weights["self_attn.k_proj.weight:scale"].shape == [1, 4]
+    assert weights["mlp.down_proj.weight:scale"].shard == ShardSpec("split", 1, [8], 2, 1)
+    report = run_json(bundle.out, PROMPTS)
+    assert report["check"]["passed"], report["check"]
+
+
+@pytest.mark.slow
+def test_inductor_ranks_generate_the_unsharded_eager_tokens(tiny_dir, tmp_path):
+    bundle = build(tp_options(tiny_dir, tmp_path / "tp2", backend="inductor", jobs=1))
+    report = run_json(bundle.out, PROMPTS + ["Good morning"])
+    assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
+    assert report["check"]["max_logit_diff"] <= LOGIT_ATOL["inductor"]
+    assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
