@@ -390,7 +390,9 @@ def run(
     the model's eos tokens (generation_config.json's, else config.json's). Text streams
     as it is generated, without special tokens; notes after it name the prompts cut at
     the token limit before a stop token, and say so where the model answers with a stop
-    token at once without --chat in a folder that has a chat template."""
+    token at once without --chat in a folder that has a chat template. A parallel bundle
+    (--tensor-parallel) runs as that many local ranks, started and watched here, or as
+    the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints."""
     from .models.base import load_model, memory_shortfall
     from .models.generation import generation_defaults
     from .models.registry import modeling_of

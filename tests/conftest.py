@@ -13,30 +13,33 @@ from aotc.models.tiny import write_tiny
 
 
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
-# summed per module (seconds on the development machine, two workers). Each of the two
-# workers takes the next whole module when it is free (--dist loadscope); started longest
-# first, they finish within a short module of each other. xdist's default order (most
-# tests first) left the few-test, long modules for last, and one worker idle for a minute
-# or more. pytest-randomly still shuffles the tests within each module and the order of
-# the modules not listed.
+# summed per module (seconds on the development machine, AMD EPYC, two workers,
+# 2026-12-03). Each of the two workers takes the next whole module when it is free
+# (--dist loadscope); started longest first, they finish within a short module of each
+# other. xdist's default order (most tests first) left the few-test, long modules for
+# last, and one worker idle for a minute or more. pytest-randomly still shuffles the
+# tests within each module and the order of the modules not listed.
 LONGEST_FIRST = [
-    "test_deepseek_v4_compiled",  # 160
-    "test_transformers_path",  # 330
-    "test_neuron",  # 140
-    "test_cache",  # 140
-    "test_inductor",  # 115
-    "test_bench",  # 100
-    "test_verify",  # 95
-    "test_xla",  # 95
-    "test_bad_inputs",  # 90
-    "test_quant",  # 85
-    "test_real_folders",  # 70
-    "test_strip_data_dependent",  # 60
+    "test_transformers_path",  # 300
+    "test_bench",  # 135
+    "test_neuron",  # 100
+    "test_inductor",  # 85
+    "test_verify",  # 80
+    "test_xla",  # 80
+    "test_cache",  # 70
+    "test_deepseek_v4_compiled",  # 70
+    "test_quant",  # 70
     "test_bisect",  # 60
-    "test_safety",  # 55
-    "test_runtime",  # 55
-    "test_readme_claims",  # 30
-    "test_deepseek_v4",  # 20
+    "test_real_folders",  # 60
+    "test_parallel",  # 55, most of it in processes of their own (the ranks)
+    "test_bad_inputs",  # 55
+    "test_runtime",  # 45
+    "test_safety",  # 40
+    "test_fidelity",  # 35
+    "test_strip_data_dependent",  # 30
+    "test_full_disk",  # 25
+    "test_readme_claims",  # 20
+    "test_kvcache",  # 20
 ]
 
 

@@ -166,10 +166,15 @@ def test_one_graph_per_artifact_serves_every_rank(tp_bundle, tiny_dir, tmp_path)
 
 
 def test_inspect_shows_the_layout_and_verify_points_at_run_check(tp_bundle):
-    shown = aotc("inspect", tp_bundle.out)
-    assert shown.returncode == 0 and "tensor parallel 2 (collectives in-graph; shapes per rank)" in shown.stdout
-    refused = aotc("verify", tp_bundle.out)
-    assert refused.returncode == 2 and "runs on 2 ranks" in refused.stderr and "aotc run --check" in refused.stderr
+    from typer.testing import CliRunner
+
+    from aotc.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(tp_bundle.out)], env={"COLUMNS": "400"})
+    assert shown.exit_code == 0 and "tensor parallel 2 (collectives in-graph; shapes per rank)" in shown.output
+    refused = CliRunner().invoke(app, ["verify", str(tp_bundle.out)], env={"COLUMNS": "400"})
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "runs on 2 ranks" in said and "aotc run --check" in said
 
 
 def test_rank_0_and_rank_1_traces_have_equal_cache_keys(tiny_dir, tmp_path):
