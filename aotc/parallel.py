@@ -166,6 +166,8 @@ def tracing(layout: ParallelRecord, rank: int = 0) -> Iterator[None]:
         yield
         return
     import torch.distributed as dist
+
+    # Importing it registers the "fake" backend; torch 2.13 has no public module that does.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
