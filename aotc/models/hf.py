@@ -57,6 +57,7 @@ from ..entry import entry, freezer
 from ..errors import ConfigError, WeightsError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
+from . import hf_compat
 from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
 from .packing import pack, packed_rows, packed_visible
@@ -103,6 +104,8 @@ class TransformersConfig(ModelConfig):
     @classmethod
     def from_hf(cls, cfg: ConfigReader) -> "TransformersConfig":
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_compat.check()  # every way into the generic path reads its config here first
 
         model_type = cfg.get("model_type", str)
         default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
@@ -189,6 +192,23 @@ class _LayerIndex:
 
 
 freezer(_LayerIndex, lambda value: "layer_idx")
+
+
+class _KernelFuncs(dict):
+    """A layer's `_kernel_funcs` (transformers 5.25 and the `kernels` package it needs:
+    `use_kernelized_func` gives each module its own wrapper of a function such as
+    apply_rotary_pos_emb, which `kernels.kernelize` could swap for a Hub kernel). aotc
+    never kernelizes, so a wrapper runs the function the modeling code names: layers whose
+    wrappers name the same functions share a graph. Remove when transformers drops
+    per-instance kernel wrappers."""
+
+
+def _freeze_kernel_funcs(funcs: _KernelFuncs) -> tuple:
+    # A wrapper's class is made per function, in the modeling module, named by its kernel layer.
+    return tuple(sorted((name, type(f).__module__, getattr(type(f), "kernel_layer_name", type(f).__qualname__)) for name, f in funcs.items()))
+
+
+freezer(_KernelFuncs, _freeze_kernel_funcs)
 
 
 def _freeze_config(config) -> str:
@@ -352,6 +372,7 @@ def _conversion_layout(hf: nn.Module, names) -> dict:
     """{param: checkpoint name or Merged} for the checkpoint tensors `names` that
     transformers' conversion mapping renames or merges (transformers' own renaming of a
     key, then at most one converter, as its loader applies them)."""
+    # Private names (hf_compat.PRIVATE): the loader's conversion mapping and its transforms.
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming, apply_renamings, dot_natural_key
 
@@ -508,7 +529,7 @@ class TransformersCausalLM(CausalLM):
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(generator.initial_seed())
             for t in [*self.parameters(), *self.buffers()]:
-                t._is_hf_initialized = False
+                t._is_hf_initialized = False  # private (hf_compat.PRIVATE)
             self.hf.init_weights()
             if head_std is not None:
                 self.hf.get_output_embeddings().weight.normal_(0, head_std)
@@ -518,7 +539,7 @@ class TransformersCausalLM(CausalLM):
         # transformers' own record of its ties (expanded to parameter names), which holds
         # while loading replaces the tied Parameter objects.
         names = dict(self.named_parameters(remove_duplicate=False))
-        return {k: v for k, v in (self.hf.all_tied_weights_keys or {}).items() if k in names and v in names}
+        return {k: v for k, v in (self.hf.all_tied_weights_keys or {}).items() if k in names and v in names}  # private (hf_compat.PRIVATE)
 
     def checkpoint_layout(self, names):
         """Parameters the checkpoint keeps as transformers' conversion mapping describes
@@ -531,6 +552,7 @@ class TransformersCausalLM(CausalLM):
         # Non-persistent buffers (rotary's inverse frequencies, Gemma's embedding scale) are
         # made by transformers' own init from the config, as from_pretrained makes them:
         # every loaded tensor is marked initialized, so that init leaves it alone.
+        # Private names (hf_compat.PRIVATE): _is_hf_initialized, _init_weights.
         for t in [*self.parameters(), *self.buffers()]:
             t._is_hf_initialized = True
         with torch.no_grad():
@@ -608,7 +630,7 @@ def _model_class(model_type: str, name: str) -> type:
     import importlib
 
     from transformers import __version__
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.configuration_auto import model_type_to_module_name  # private (hf_compat.PRIVATE)
 
     module = model_type_to_module_name(model_type)
     try:
@@ -623,7 +645,7 @@ def _model_class(model_type: str, name: str) -> type:
 def _decoder_layers(hf: nn.Module, config: TransformersConfig) -> list[nn.Module]:
     """The decoder layers, in order: the modules of the classes transformers keeps whole
     when it splits a model across devices (_no_split_modules)."""
-    names = set(getattr(hf, "_no_split_modules", None) or ())
+    names = set(getattr(hf, "_no_split_modules", None) or ())  # private (hf_compat.PRIVATE)
     layers: list[nn.Module] = []
     inner: set[int] = set()  # modules of those classes inside another (Mamba's mixer in its block)
     for m in hf.modules():
@@ -777,6 +799,8 @@ def _convert_layer(layer: nn.Module, index: int, contract: Contract, rows: tuple
     for path, m in layer.named_modules():
         if isinstance(m.__dict__.get("layer_idx"), int):
             m.layer_idx = _LayerIndex(f"{type(m).__name__}")
+        if type(m.__dict__.get("_kernel_funcs")) is dict:
+            m.__dict__["_kernel_funcs"] = _KernelFuncs(m.__dict__["_kernel_funcs"])
     layer.__dict__["aotc_index"] = index  # read by forward, outside any graph
     layer.__dict__["aotc_code"] = code  # cache keys (aotc.cache.keys)
     layer.k_rows, layer.v_rows = rows
