@@ -14,32 +14,33 @@ from aotc.models.tiny import write_tiny
 
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
 # summed per module (seconds on the development machine, AMD EPYC, two workers,
-# 2026-12-03). Each of the two workers takes the next whole module when it is free
-# (--dist loadscope); started longest first, they finish within a short module of each
-# other. xdist's default order (most tests first) left the few-test, long modules for
-# last, and one worker idle for a minute or more. pytest-randomly still shuffles the
-# tests within each module and the order of the modules not listed.
+# 2026-12-03, remeasured after issue 64's first cuts). Each of the two workers takes the
+# next whole module when it is free (--dist loadscope); started longest first, they finish
+# within a short module of each other. xdist's default order (most tests first) left the
+# few-test, long modules for last, and one worker idle for a minute or more.
+# pytest-randomly still shuffles the tests within each module and the order of the
+# modules not listed.
 LONGEST_FIRST = [
     "test_transformers_path",  # 300
-    "test_bench",  # 135
-    "test_neuron",  # 100
-    "test_inductor",  # 85
-    "test_verify",  # 80
-    "test_xla",  # 80
-    "test_cache",  # 70
-    "test_deepseek_v4_compiled",  # 70
-    "test_quant",  # 70
-    "test_bisect",  # 60
-    "test_real_folders",  # 60
-    "test_parallel",  # 55, most of it in processes of their own (the ranks)
-    "test_bad_inputs",  # 55
+    "test_bench",  # 175
+    "test_verify",  # 120
+    "test_inductor",  # 115
+    "test_neuron",  # 105
+    "test_deepseek_v4_compiled",  # 90
+    "test_xla",  # 85
+    "test_cache",  # 80
+    "test_real_folders",  # 70
+    "test_parallel",  # 65, most of it in processes of their own (the ranks)
+    "test_bad_inputs",  # 65
+    "test_quant",  # 60
+    "test_bisect",  # 55
+    "test_safety",  # 55
+    "test_fidelity",  # 50
+    "test_strip_data_dependent",  # 45
     "test_runtime",  # 45
-    "test_safety",  # 40
-    "test_fidelity",  # 35
-    "test_strip_data_dependent",  # 30
-    "test_full_disk",  # 25
-    "test_readme_claims",  # 20
-    "test_kvcache",  # 20
+    "test_full_disk",  # 35
+    "test_readme_claims",  # 25
+    "test_kvcache",  # 25
 ]
 
 
@@ -50,8 +51,14 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_compile_cache(tmp_path_factory):
-    """Builds in tests use a compile cache of their own, never the user's ~/.cache/aotc."""
-    os.environ["AOTC_CACHE_DIR"] = str(tmp_path_factory.mktemp("aotc-cache"))
+    """Builds in tests use a compile cache of their own, never the user's ~/.cache/aotc:
+    one for the whole run, shared by the xdist workers (the cache locks each entry, as for
+    concurrent builds), so that a graph one worker compiled is a hit for the other. A test
+    that counts hits and misses passes a cache folder of its own."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwK/
+    (shared / "aotc-cache").mkdir(exist_ok=True)
+    os.environ["AOTC_CACHE_DIR"] = str(shared / "aotc-cache")
 
 
 @pytest.fixture(scope="session")

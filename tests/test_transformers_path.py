@@ -131,6 +131,12 @@ def arch(request, tmp_path_factory):
     return request.param, save(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
+# Export cells whose architecture's compiled pair runs in CI (IN_CI) go under `slow`: that
+# pair runs the same model code through the generic path and checks the same things.
+EXPORT_IN_SLOW = {name for name, _ in IN_CI}
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in EXPORT_IN_SLOW else a for a in sorted(ARCHS)], indirect=True)
 def test_export_matches_transformers(arch, tmp_path):
     name, model_dir = arch
     out = bundle_of(name, model_dir, tmp_path / "bundle", "export")
@@ -159,15 +165,17 @@ def test_compiled_matches_transformers_slow(name, backend, tmp_path):
 
 
 def test_one_graph_per_layer_class(arch, tmp_path):
-    """As many graphs at 6 layers as at 12; and the first and last layer of each variant
-    trace to the same graph (nothing per layer baked in)."""
-    name, _ = arch
+    """As many graphs at 6 layers as at 3 (each layer pattern of ARCHS repeats within 3
+    layers); and the first and last layer of each variant trace to the same graph
+    (nothing per layer baked in)."""
+    name, three = arch
     tasks = {}
-    for layers in (6, 12):
-        plan = make_plan(BuildOptions(save(name, tmp_path / f"m{layers}", layers=layers), out=tmp_path / "o", batch_buckets=(1, 4),
+    for layers in (3, 6):
+        folder = three if layers == 3 else save(name, tmp_path / f"m{layers}", layers=layers)
+        plan = make_plan(BuildOptions(folder, out=tmp_path / "o", batch_buckets=(1, 4),
                                       chunk_buckets=(CHUNK,), max_seq=128, context_buckets=(), backend="export", modeling=modeling(name)))  # fmt: skip
         tasks[layers] = sorted((v.entry_id, b) for v, b in plan.tasks)
-    assert tasks[6] == tasks[12] and len(tasks[6]) <= 2 * 3 * 2 + 2, tasks
+    assert tasks[3] == tasks[6] and len(tasks[6]) <= 2 * 3 * 2 + 2, tasks
     for v in plan.variants:
         if len(v.instances) > 1:
             first, last = (trace(dataclasses.replace(v, instances=[i]), 1, plan.shapes, plan.backend) for i in (v.instances[0], v.instances[-1]))
@@ -257,15 +265,20 @@ def test_bf16_is_built_and_run_in_bf16(tmp_path):
         assert report.passed, [(p.error, p.bound, p.near_tie_gap) for p in report.per_prompt]
 
 
-def test_verify_and_a_neuron_cross_build(tmp_path, monkeypatch):
-    """aotc verify runs every artifact of a generic-path bundle against its eager entry; a
-    neuron cross-build (no compiler here) lowers every graph to static HLO with no lint."""
+def test_verify_runs_every_artifact(tmp_path):
+    """aotc verify runs every artifact of a generic-path bundle against its eager entry."""
     model_dir = save("qwen3", tmp_path / "model")
     out = bundle_of("qwen3", model_dir, tmp_path / "bundle", "export", context_buckets=(64,))
     r = CliRunner().invoke(app, ["verify", str(out), "--model", str(model_dir), "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.output)
     assert report["passed"] and len(report["artifacts"]) == len(list(read_manifest(out).artifacts()))
+
+
+@pytest.mark.slow  # CI cross-builds mixtral for neuron (test_moe_graphs_..._static_for_neuron[mixtral])
+def test_a_neuron_cross_build(tmp_path, monkeypatch):
+    """A neuron cross-build (no compiler here) lowers every graph to static HLO with no lint."""
+    model_dir = save("qwen3", tmp_path / "model")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc
     cross = bundle_of("qwen3", model_dir, tmp_path / "neuron", "neuron")
     manifest = read_manifest(cross)
@@ -274,7 +287,9 @@ def test_verify_and_a_neuron_cross_build(tmp_path, monkeypatch):
         assert a.form == "static" and not a.extra.lint, (e.id, a.extra.lint)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+# qwen3_moe's cell under `slow`: mixtral's checks the same graphs in CI, and qwen3_moe's
+# static prefill lowers to HLO in test_compiled_matches_transformers[qwen3_moe-xla].
+@pytest.mark.parametrize("name", [pytest.param("qwen3_moe", marks=pytest.mark.slow), "mixtral"])
 def test_moe_graphs_gather_at_decode_run_each_expert_at_prefill_and_are_static_for_neuron(name, tmp_path, monkeypatch):
     """Decode at batch 1 (2 x 2 choices of 8 experts) indexes the fused expert weights by
     the choices, with no nonzero; prefill (16 x 2 choices) runs each expert on its tokens,

@@ -1,5 +1,5 @@
 """kvcache: fp8 KV caches against full precision, ~100M model (tiny under --quick) in a
-max_seq-4096 bundle: cache bytes per token, batch-1 decode at position 4000 (aotc
+max_seq-4096 bundle (1024 under --quick): cache bytes per token, batch-1 decode at position 4000 (aotc
 inductor or --backend, and eager, each cache dtype), and eager fp8 cache against eager
 full precision (max logit difference, greedy agreement over 200 tokens)."""
 
@@ -12,20 +12,21 @@ from aotc.models.base import load_model
 from aotc.runtime import Bundle, generate
 from common import Run, section, table, timeit
 
-KV_MAX_SEQ, KV_POSITION, KV_TOKENS = 4096, 4000, 200
+KV_MAX_SEQ, KV_POSITION, KV_TOKENS = 4096, 4000, 200  # max_seq 1024, position 1000 under --quick
 
 
 @section("kvcache")
 def kvcache(run: Run) -> dict:
     name = run.main
     model_dir = run.model(name)
-    ids, positions = torch.tensor([7]), torch.tensor([KV_POSITION])
+    max_seq, position = (1024, 1000) if run.quick else (KV_MAX_SEQ, KV_POSITION)
+    ids, positions = torch.tensor([7]), torch.tensor([position])
     rows, eager = [], {}
     for dtype in ("auto", "fp8", "fp8-values"):
-        bundle = Bundle.load(run.bundle(model_dir, f"kv-{dtype}", batch_buckets=(1,), chunk_buckets=(128,), max_seq=KV_MAX_SEQ, kv_cache_dtype=dtype))
+        bundle = Bundle.load(run.bundle(model_dir, f"kv-{dtype}", batch_buckets=(1,), chunk_buckets=(128,), max_seq=max_seq, kv_cache_dtype=dtype))
         model = load_model(model_dir, kv_cache=bundle.manifest.model.kv_cache).model
         eager[dtype] = model
-        caches = model.allocate_caches(bundle.cache_slots, KV_MAX_SEQ)
+        caches = model.allocate_caches(bundle.cache_slots, max_seq)
         for kind, t in caches.items():  # a filled context: random keys and values (fp8: quantized as the model writes them)
             full = torch.randn(*t.shape[:-1], model.config.head_dim, generator=torch.Generator().manual_seed(0))
             kv.store(model.cache_rows().get(kind), t, (), full)
@@ -39,7 +40,7 @@ def kvcache(run: Run) -> dict:
         Bundle.unbind(model)
         # What the graphs were given: a packed cache's regions (fp8 values, float32 scales) or the tensor
         stored = sorted({str(r.dtype).removeprefix("torch.") for t in regions.values() for r in (t.tensors.values() if isinstance(t, kv.Regions) else [t])})
-        per_token = model.cache_bytes(1, KV_MAX_SEQ) / KV_MAX_SEQ
+        per_token = model.cache_bytes(1, max_seq) / max_seq
         rows.append({
             "cache": {"auto": "full precision (fp32)", "fp8": "fp8", "fp8-values": "fp8 values, bf16 keys"}[dtype], "dtypes stored": ",".join(stored), "bytes per token": per_token,
             **{f"{k} ms": v * 1e3 for k, v in times.items()},
@@ -47,8 +48,8 @@ def kvcache(run: Run) -> dict:
     for r in rows:
         r["full / this, bytes"] = rows[0]["bytes per token"] / r["bytes per token"]
         r["full / this, aotc ms"] = rows[0][f"{run.aotc} ms"] / r[f"{run.aotc} ms"]
-    results = {"model": name, "batch": 1, "max_seq": KV_MAX_SEQ, "position": KV_POSITION, "rows": rows}
-    table(f"KV cache dtype, {name} model, batch-1 decode at position {KV_POSITION} of max_seq {KV_MAX_SEQ}", rows)
+    results = {"model": name, "batch": 1, "max_seq": max_seq, "position": position, "rows": rows}
+    table(f"KV cache dtype, {name} model, batch-1 decode at position {position} of max_seq {max_seq}", rows)
 
     # Eager fp8 cache against eager full precision: greedy from one prompt, then teacher-forced.
     tokens = 20 if run.quick else KV_TOKENS
