@@ -146,3 +146,26 @@ def test_a_program_loads_the_same_with_the_schema_hints_remembered(archive, monk
     monkeypatch.setattr(typing, "get_type_hints", lambda *a, **k: looked_up.append(a[0]) or real(*a, **k))
     export.load_program(data)
     assert looked_up == []  # every class of this program was seen by the first load
+
+
+def test_a_program_saves_the_same_bytes_without_torchs_canonical_form_self_test(monkeypatch):
+    """save_program skips the canonicalization torch.export.save runs only as a self-test
+    (its result dropped): the archive is byte for byte torch's own, and torch's
+    canonicalize is back in place afterwards."""
+    import io
+
+    from torch._export.serde import serialize
+
+    args = (torch.randn(2, 4), torch.randn(3, 4), torch.zeros(5, 4), torch.tensor([0, 1]))
+    program = torch.export.export(Step(), args, strict=False)
+    own, ran = serialize.canonicalize, []
+    monkeypatch.setattr(serialize, "canonicalize", lambda *a, **k: ran.append(1) or own(*a, **k))
+    counted = serialize.canonicalize
+    ours = io.BytesIO()
+    save_program(program, ours, ["w"])
+    assert ran == [] and serialize.canonicalize is counted
+    program.example_inputs = None
+    theirs = io.BytesIO()
+    torch.export.save(program, theirs, extra_files={"aotc_weights.json": json.dumps(["w"])})
+    assert ran == [1]  # torch's own save runs it
+    assert ours.getvalue() == theirs.getvalue()

@@ -212,7 +212,8 @@ def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_pat
     from aotc.build.key import retrace
     from aotc.models.base import load_model
 
-    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", context_buckets=(32,), **OPTIONS))
+    options = dict(OPTIONS, batch_buckets=(1,))  # one batch bucket: the cache graphs are decode's and prefill's at each context bucket
+    result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", context_buckets=(32,), **options))
     manifest = result.manifest
     assert manifest.model.kv_cache.fp8_max == 224.0
     backend = neuron.NeuronBackend(**manifest.backend.flags)
