@@ -14,33 +14,33 @@ from aotc.models.tiny import write_tiny
 
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
 # summed per module (seconds on the development machine, AMD EPYC, two workers,
-# 2026-12-03, remeasured after issue 64's first cuts). Each of the two workers takes the
+# 2026-12-04, remeasured after issue 64's second cuts). Each of the two workers takes the
 # next whole module when it is free (--dist loadscope); started longest first, they finish
 # within a short module of each other. xdist's default order (most tests first) left the
 # few-test, long modules for last, and one worker idle for a minute or more.
 # pytest-randomly still shuffles the tests within each module and the order of the
 # modules not listed.
 LONGEST_FIRST = [
-    "test_transformers_path",  # 300
-    "test_bench",  # 175
-    "test_verify",  # 120
-    "test_inductor",  # 115
-    "test_neuron",  # 105
-    "test_deepseek_v4_compiled",  # 90
-    "test_xla",  # 85
-    "test_cache",  # 80
-    "test_real_folders",  # 70
-    "test_parallel",  # 65, most of it in processes of their own (the ranks)
-    "test_bad_inputs",  # 65
-    "test_quant",  # 60
-    "test_bisect",  # 55
-    "test_safety",  # 55
-    "test_fidelity",  # 50
-    "test_strip_data_dependent",  # 45
-    "test_runtime",  # 45
-    "test_full_disk",  # 35
-    "test_readme_claims",  # 25
-    "test_kvcache",  # 25
+    "test_transformers_path",  # 185
+    "test_bench",  # 100
+    "test_neuron",  # 75
+    "test_verify",  # 65
+    "test_cache",  # 60
+    "test_deepseek_v4_compiled",  # 60
+    "test_inductor",  # 50
+    "test_real_folders",  # 50
+    "test_parallel",  # 45, most of it in processes of their own (the ranks)
+    "test_quant",  # 45
+    "test_bad_inputs",  # 40
+    "test_bisect",  # 40
+    "test_xla",  # 35
+    "test_safety",  # 35
+    "test_strip_data_dependent",  # 30
+    "test_fidelity",  # 25
+    "test_runtime",  # 25
+    "test_full_disk",  # 20
+    "test_kvcache",  # 15
+    "test_readme_claims",  # 10
 ]
 
 
