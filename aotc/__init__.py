@@ -5,6 +5,10 @@ The public API for models: `entry` marks a method as a compiled entry,
 base class of models, `Derived` gives compiled graphs weights in another layout
 than the checkpoint's, read by a module's `compiled_forward` (aotc.layout); see
 the README, "Bring your own model".
+
+The public API for running a bundle: `Session.open(bundle)`, then
+`session.generate(prompts)` (Completions; `stream=True`: TokenEvents); see
+docs/python-api.md.
 """
 
 __version__ = "0.1.0"
@@ -15,5 +19,6 @@ from .layout import Derived  # noqa: E402
 from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
 from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
+from .runtime.session import Completion, Session, TokenEvent  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "Derived", "ModelConfig", "SCRATCH_SLOT", "entry", "register_architecture", "__version__"]
+__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "ModelConfig", "SCRATCH_SLOT", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]

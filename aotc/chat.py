@@ -136,11 +136,18 @@ def _compiled(template: str):
 def render_user_turn(model_dir: Path, text: str) -> str:
     """The template's rendering of one user message, with the assistant's turn opened,
     within the limits above."""
+    return render_messages(model_dir, [{"role": "user", "content": text}])
+
+
+def render_messages(model_dir: Path, messages: list[dict]) -> str:
+    """The template's rendering of a conversation (system, user and assistant turns, as
+    transformers' apply_chat_template takes them), with the assistant's turn opened,
+    within the limits above."""
     template, specials, source = _read(model_dir)
     _deadline.at = time.monotonic() + RENDER_SECONDS
     out, size = [], 0
     try:
-        for chunk in _compiled(template).generate(messages=[{"role": "user", "content": text}], add_generation_prompt=True, **specials):
+        for chunk in _compiled(template).generate(messages=messages, add_generation_prompt=True, **specials):
             size += len(chunk)
             if size > RENDER_CHARS:
                 raise _Limit(f"its output is longer than {RENDER_CHARS} characters")

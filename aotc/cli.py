@@ -395,7 +395,6 @@ def run(
     the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints."""
     from .models.base import load_model, memory_shortfall
     from .models.generation import generation_defaults
-    from .models.registry import modeling_of
     from .models.hub import resolve_model
     from .plugins import load_plugins
     from .format import read_manifest
@@ -403,6 +402,7 @@ def run(
     from .runtime import Bundle, check_generation, generate
     from .runtime.generate import check_lengths
     from .runtime.launch import leave, threads_per_rank
+    from .runtime.session import bundle_model, check_memory
 
     try:
         t0 = time.perf_counter()
@@ -422,18 +422,15 @@ def run(
             if world != layout.world_size:
                 raise AotcError(f"{path} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); this launch has WORLD_SIZE={world}")
             b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
-            model_dir = _bundle_model(b, model, revision)
+            model_dir = bundle_model(b, model, revision)
             if world > 1:
                 join(layout, rank, b.device)
                 threads = threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
             # also needs them dequantized, for eager (on a parallel bundle: the whole model, after).
-            loaded = load_model(
-                model_dir, stored=True if check and world == 1 else b.stored_params(), kv_cache=b.manifest.model.kv_cache,
-                modeling=modeling_of(b.manifest.model.architecture), layout=layout, rank=rank,
-            )  # fmt: skip
+            loaded = load_model(model_dir, **b.model_args(rank, eager=check and world == 1))
             b.check_model(loaded)
-            _check_memory(loaded.model, b)  # before generate allocates the caches
+            check_memory(loaded.model, b)  # before generate allocates the caches
             loaded.model.to(b.device)
         defaults = generation_defaults(model_dir, loaded.config_dict)
         new_tokens = max_new_tokens or defaults.max_new_tokens
@@ -482,7 +479,7 @@ def run(
             Bundle.unbind(loaded.model)
             eager_model = loaded.model
             if world > 1:
-                eager_model = load_model(model_dir, stored=True, kv_cache=b.manifest.model.kv_cache, modeling=modeling_of(b.manifest.model.architecture)).model
+                eager_model = load_model(model_dir, **b.model_args(None, eager=True)).model
             checked = check_generation(eager_model, gen, new_tokens, b.manifest.backend.name, **kwargs)
         generation = {
             "eos_token_ids": list(defaults.eos_token_ids), "eos_from": defaults.eos_from, "max_new_tokens": new_tokens,
@@ -540,21 +537,6 @@ def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: P
     if not chat and any(s.new_ids[:1] and s.new_ids[0] in eos for s in gen.sequences) and has_chat_template(model_dir):
         notes.append(f"the model answered with a stop token at once; {model_dir} has a chat template: run with --chat to send each prompt as a user turn")
     return notes
-
-
-def _bundle_model(b, model: str | None, revision: str | None) -> Path:
-    """The weights for a bundle: --model, else the folder it was built from, else the Hub
-    snapshot it was built from (the same commit) on this machine."""
-    from .models.hub import resolve_model
-
-    if model is not None:
-        return resolve_model(model, revision)[0]
-    if revision is not None:
-        raise AotcError("--revision applies to --model ORG/NAME; the bundle's own model is the commit it was built from")
-    source, hub = Path(b.manifest.model.source), b.manifest.model.hub
-    if hub is not None and not source.is_dir():
-        return resolve_model(hub.repo_id, hub.commit)[0]
-    return source
 
 
 def _fit_smoke_prompts(prompts: list[list[int]], new_tokens: int, max_seq: int) -> tuple[list[list[int]], list[str]]:
@@ -773,18 +755,6 @@ def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -
     if len(lint) > limit:
         console.print(f"[yellow]{backend} lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
     return lint
-
-
-def _check_memory(model, b) -> None:
-    """Refuse before allocating caches that would not fit (a bundle built for a larger host)."""
-    from .models.base import memory_shortfall
-
-    short = memory_shortfall(model, b.cache_slots, b.max_seq)
-    if short:
-        raise AotcError(
-            f"{b.dir} cannot run here: {short}. Rebuild it with a smaller --max-seq or fewer/smaller --buckets "
-            f"(now max_seq {b.max_seq}, batch buckets {','.join(map(str, b.manifest.shapes.batch))})"
-        )
 
 
 def _tokenizer(model_dir: Path):

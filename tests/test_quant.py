@@ -272,6 +272,29 @@ def test_stored_weights_are_state_of_their_module_and_move_with_the_model(models
     assert not [k for k in model.state_dict() if "__stored_" in k]
 
 
+def test_model_args_build_the_model_a_bundle_runs(models, tmp_path):
+    """Bundle.model_args, the one bundle-to-model recipe: the weights whose stored form the
+    graphs take (those only, so memory holds fp8 bytes), the caches' dtype, the modeling
+    code, the layout and rank; eager=True dequantizes every weight as well; rank None is
+    the whole model."""
+    out = build(BuildOptions(models["llama"], out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", kv_cache_dtype="fp8")).out
+    bundle = Bundle.load(out)
+    args = bundle.model_args()
+    assert args["stored"] == bundle.stored_params() and len(args["stored"]) == 2 * 7  # 7 linears in each of 2 layers
+    assert args["kv_cache"] == bundle.manifest.model.kv_cache and args["kv_cache"].dtype == "fp8"
+    assert (args["modeling"], args["layout"], args["rank"]) == ("auto", bundle.manifest.parallel, 0)
+    loaded = load_model(models["llama"], **args)
+    assert loaded.model.allocate_caches(2, 64)["k"].dtype == torch.uint8  # fp8 values and their scales, packed
+    bundle.bind(loaded.model)
+    kw = dict(max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+    got = generate(loaded.model, [[5, 9, 200, 31, 7]], 4, **kw)
+    Bundle.unbind(loaded.model)
+    eager_args = bundle.model_args(None, eager=True)
+    assert eager_args["stored"] is True and not {"layout", "rank"} & set(eager_args)
+    eager = load_model(models["llama"], **eager_args).model
+    assert got.sequences[0].new_ids == generate(eager, [[5, 9, 200, 31, 7]], 4, **kw).sequences[0].new_ids
+
+
 def test_bundle_of_stored_weights_refuses_a_dequantized_model(models, tmp_path):
     out = build(BuildOptions(models["llama"], out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export"))
     with pytest.raises(BundleError, match=r"layers.0.self_attn.q_proj.weight is a graph input stored as fp8, but the model has it dequantized"):

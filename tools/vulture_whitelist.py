@@ -87,3 +87,8 @@ _.unsafe_undefined
 # hf_compat.Private.until: when aotc can stop using a private transformers name; read by
 # people and by tests/test_transformers_compat.py, which prints it for a missing name.
 _.until
+
+# aotc.Session's results (aotc/runtime/session.py), read by users' programs and
+# docs/python-api.md: why a completion ended, and a streamed token's id.
+_.finish_reason
+_.token_id

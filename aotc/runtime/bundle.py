@@ -145,6 +145,21 @@ class Bundle:
                     f"{theirs[key]!r}; rebuild the bundle for this model (aotc build {loaded.dir})"
                 )
 
+    def model_args(self, rank: int | None = 0, *, eager: bool = False) -> dict:
+        """What models.base.load_model takes, besides the model folder, to build the model
+        this bundle runs: `load_model(folder, **bundle.model_args())`. Its caches' dtype,
+        whose modeling code runs it, and the stored form (aotc.quant) of each weight its
+        graphs take. rank: whose part of a parallel bundle (its layout and this rank);
+        None: the whole model, as eager runs it. eager=True: every low-precision weight
+        dequantized as well, for a model that also runs eagerly (aotc run --check, aotc verify)."""
+        from ..models.registry import modeling_of
+
+        model = self.manifest.model
+        args = dict(stored=True if eager else self.stored_params(), kv_cache=model.kv_cache, modeling=modeling_of(model.architecture))
+        if rank is not None:
+            args.update(layout=self.manifest.parallel, rank=rank)
+        return args
+
     def stored_params(self) -> set[str]:
         """The model parameters whose stored form (aotc.quant) the graphs take, by path:
         load_model(stored=...) keeps these as the checkpoint has them."""

@@ -49,7 +49,7 @@ from ..format import Manifest, read_manifest
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
 from ..models.base import full_precision, load_model, memory_shortfall, reference_model
 from ..models.config import ConfigReader
-from ..models.registry import get_architecture, modeling_of
+from ..models.registry import get_architecture
 from ..kvcache import Fp8Rows, Regions
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
@@ -131,7 +131,7 @@ def verify(
     if model_dir is None and Path(manifest.model.source).is_dir():
         model_dir = manifest.model.source
     if model_dir is not None:
-        loaded = load_model(model_dir, stored=True, kv_cache=manifest.model.kv_cache, modeling=modeling_of(manifest.model.architecture))
+        loaded = load_model(model_dir, **bundle.model_args(None, eager=True))
         bundle.check_model(loaded)
         model, weights = loaded.model, str(model_dir)
     else:

@@ -41,7 +41,7 @@ def chat(run: Run) -> dict:
         requests = _requests(folder, run.quick)
         bundle = Bundle.load(run.bundle(folder, "chat", chunk_buckets=DEFAULT_CHUNK_BUCKETS, max_seq=1024))
         # Two instances, so that no request binds or unbinds: one bound, one eager.
-        model, eager = (load_model(folder, kv_cache=bundle.manifest.model.kv_cache).model for _ in range(2))
+        model, eager = (load_model(folder, **bundle.model_args(eager=e)).model for e in (False, True))
         dtype = next(model.parameters()).dtype
         if label.split()[-1] != str(dtype).removeprefix("torch."):  # a row must run the precision it names
             raise SystemExit(f"chat: {label} loaded {dtype} weights")

@@ -24,7 +24,7 @@ def kvcache(run: Run) -> dict:
     rows, eager = [], {}
     for dtype in ("auto", "fp8", "fp8-values"):
         bundle = Bundle.load(run.bundle(model_dir, f"kv-{dtype}", batch_buckets=(1,), chunk_buckets=(128,), max_seq=max_seq, kv_cache_dtype=dtype))
-        model = load_model(model_dir, kv_cache=bundle.manifest.model.kv_cache).model
+        model = load_model(model_dir, **bundle.model_args()).model
         eager[dtype] = model
         caches = model.allocate_caches(bundle.cache_slots, max_seq)
         for kind, t in caches.items():  # a filled context: random keys and values (fp8: quantized as the model writes them)

@@ -31,7 +31,8 @@ if bundle != "floor":
         model = load_model(model_dir).model
     else:
         b = Bundle.load(bundle)
-        model = load_model(model_dir, stored=b.stored_params() if stored == "yes" else False).model
+        args = b.model_args()
+        model = load_model(model_dir, **(args if stored == "yes" else dict(args, stored=False))).model
         b.bind(model)
     # One decode step: safetensors maps the file, and its pages count once read.
     model.decode(torch.tensor([5]), torch.tensor([0]), model.allocate_caches(2, 256))
@@ -75,7 +76,7 @@ def lowp(run: Run) -> dict:
     rows, bundles = [], {}
     for kind, model_dir in dirs.items():
         bundles[kind] = bundle = Bundle.load(run.bundle(model_dir, batch_buckets=(1,), chunk_buckets=(128,)))
-        model = load_model(model_dir, stored=bundle.stored_params()).model
+        model = load_model(model_dir, **bundle.model_args()).model
         bundle.bind(model)
         caches = model.allocate_caches(bundle.cache_slots, MAX_SEQ)
         seconds = timeit(lambda: model.decode(ids, positions, caches), min_time=run.times(2.0))

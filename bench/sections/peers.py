@@ -111,7 +111,7 @@ def _compare(run: Run, built, label: str, folders: dict) -> dict:
     for fmt in AOTC:
         model_dir = checkpoints[fmt]
         bundle = Bundle.load(run.bundle(model_dir, f"peers-{label}", batch_buckets=(1,), chunk_buckets=(64,), max_seq=256))
-        model = load_model(model_dir, stored=bundle.stored_params()).model
+        model = load_model(model_dir, **bundle.model_args()).model
         bundle.bind(model)
         runs[run.aotc, fmt] = llamacpp.timed(lambda: _ours(model, prompt))
         runs[run.aotc, fmt]["bytes"] = sum(read_by_graphs(bundle, model)[0].values())

@@ -40,7 +40,7 @@ def smollm2_section(run: Run) -> dict:
     for dtype, folder in folders.items():
         bundle_dir = run.bundle(folder, "smollm2", batch_buckets=(1, 4), chunk_buckets=(64,))
         bundle = Bundle.load(bundle_dir)
-        loaded = load_model(folder, kv_cache=bundle.manifest.model.kv_cache)
+        loaded = load_model(folder, **bundle.model_args())
         ran = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         if ran != dtype:  # a row labelled bf16 must run bf16 weights
             raise SystemExit(f"smollm2: the {dtype} folder loaded {ran} weights")

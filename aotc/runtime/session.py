@@ -1,0 +1,370 @@
+"""aotc.Session: a bundle opened for generation inside a user's own program.
+
+    from aotc import Session
+
+    with Session.open("artifacts/tiny") as session:
+        for done in session.generate(["The capital of France is"], max_new_tokens=16):
+            print(done.text)
+
+Opening does once what every generation needs: the bundle loaded and checked,
+its model's weights found and loaded as its graphs take them, bound, the caches
+allocated, the tokenizer, generation_config and chat template read. Each
+generate() then runs greedy decoding through the bundle on those same caches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, Union
+
+from ..errors import AotcError
+from .bundle import Bundle
+from .check import CheckReport, check_generation
+from .generate import Generation, generate
+
+# A prompt: text, token ids, or a conversation ({"role", "content"} dicts).
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds, of one generate() call (load_s and setup_s: of Session.open)."""
+
+    load_s: float  # Bundle.load
+    setup_s: float  # all of Session.open: the bundle, the weights, binding, the caches
+    ttft_s: float  # from the call to the first token
+    prefill_s: float
+    prefill_tokens: int
+    decode_s: float
+    decode_steps: int
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one prompt generated."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # the new tokens
+    text: str | None  # their text, special tokens left out (None: the folder has no tokenizer.json)
+    finish_reason: str  # "stop": a stop token ended it (the last id); "length": max_new_tokens did
+
+
+class Completions(list):
+    """The completions of one generate() call, in prompt order, and its timings."""
+
+    def __init__(self, items: list[Completion], timings: Timings):
+        super().__init__(items)
+        self.timings = timings
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One new token of prompt `index`: its id, and the text it completes. A character split
+    across tokens comes whole with its last token, so the deltas join to the full text."""
+
+    index: int
+    token_id: int
+    text: str
+
+
+class Session:
+    """A bundle bound to its model, ready to generate. Open one with Session.open; close it
+    (or use it as a context manager) to release the model and its caches."""
+
+    def __init__(self, bundle: Bundle, loaded, model_dir: Path, threads: int | None, t0: float):
+        from ..models.generation import generation_defaults
+
+        self.bundle, self.model_dir, self.threads = bundle, model_dir, threads
+        self._loaded = loaded
+        self.defaults = generation_defaults(model_dir, loaded.config_dict)
+        self.tokenizer = _tokenizer(model_dir)
+        # Allocated once, for every generate(): a sequence writes each position before any step reads it.
+        self._caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, bundle.device, split=True)
+        self._eager = None
+        self._load_s, self._setup_s = bundle.load_s, time.perf_counter() - t0
+
+    @classmethod
+    def open(
+        cls, bundle: str | Path, model: str | Path | None = None, *, revision: str | None = None, threads: int | None = None,
+        expect_digest: str | None = None, plugins: Sequence[str] = (),
+    ) -> "Session":  # fmt: skip
+        """Load the bundle at `bundle` (checked, and with expect_digest, refused unless its
+        digest is that one) and the weights of its model: `model` (a folder, or a Hugging
+        Face Hub id ORG/NAME at `revision`), else the folder it was built from, else the
+        Hub snapshot it was built from. threads: CPU threads per kernel (default: those
+        other processes leave free). plugins: modules that register architectures or
+        backends (aotc build --plugin)."""
+        from ..models.base import load_model
+
+        t0 = time.perf_counter()
+        b = Bundle.load(bundle, plugins=list(plugins), expect_digest=expect_digest)
+        layout = b.manifest.parallel
+        if layout.world_size > 1:
+            raise AotcError(
+                f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); a Session opens a "
+                f"bundle of one rank. Run it with `aotc run {b.dir}`"
+            )
+        model_dir = bundle_model(b, None if model is None else str(model), revision)
+        if not model_dir.is_dir():
+            whose = "model=" if model is not None else f"the folder the bundle {b.dir} was built from, and it is gone"
+            raise AotcError(
+                f"{model_dir}: no such folder ({whose}). Pass the folder or Hub id ORG/NAME with the model's weights: "
+                f"Session.open({str(b.dir)!r}, model=...)"
+            )
+        loaded = load_model(model_dir, **b.model_args())
+        b.check_model(loaded)
+        check_memory(loaded.model, b)  # before the caches are allocated
+        loaded.model.to(b.device)
+        b.bind(loaded.model)
+        return cls(b, loaded, model_dir, threads, t0)
+
+    @property
+    def model(self):
+        """The bound model (its entry methods run the bundle's graphs)."""
+        if self._loaded is None:
+            raise AotcError("this Session is closed; open the bundle again with Session.open")
+        return self._loaded.model
+
+    def encode(self, prompt: Prompt, chat: bool = False, index: int = 0) -> list[int]:
+        """A prompt's token ids: text (with chat=True, as the model's chat template renders a
+        user turn of it), token ids as given, or a conversation through the chat template."""
+        from ..chat import render_messages
+
+        if isinstance(prompt, str):
+            text = render_messages(self.model_dir, [{"role": "user", "content": prompt}]) if chat else prompt
+            return self._tokens(text, index, special=not chat)  # a chat template writes its own bos
+        items = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if items and all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            vocab = self.model.config.vocab_size
+            bad = [i for i in items if not 0 <= i < vocab]
+            if bad:
+                raise AotcError(f"prompt {index}: token id {bad[0]} is outside the model's vocabulary (0 to {vocab - 1})")
+            return items
+        if items and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in items):
+            return self._tokens(render_messages(self.model_dir, items), index, special=False)
+        raise AotcError(
+            f"prompt {index} is {type(prompt).__name__} {_short(prompt)}; expected text, a non-empty list of token ids, "
+            'or a chat: a list of {"role": ..., "content": ...} messages'
+        )
+
+    def generate(
+        self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False, stream: bool = False,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> Completions | Iterator[TokenEvent]:  # fmt: skip
+        """Greedy generation of each prompt through the bundle, stopping at the model's stop
+        tokens (generation_config.json's, else config.json's) or after max_new_tokens
+        (default: generation_config.json's, else 32). chat=True: text prompts are sent as
+        a user turn through the chat template. on_token(event) runs for each new token.
+        stream=True: returns an iterator of TokenEvents instead, as the tokens come; the
+        Completions are then the iterator's return value (StopIteration.value)."""
+        ids = self._prompts(prompts, chat)
+        new = self._new_tokens(ids, max_new_tokens)
+        if stream:
+            return self._stream(ids, new, on_token)
+        return self._run(ids, new, on_token)
+
+    def check(self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False) -> CheckReport:
+        """`aotc run --check` for these prompts: the bundle's generation against the eager
+        model's under the product's fidelity rule (runtime.check); report.passed says."""
+        ids = self._prompts(prompts, chat)
+        new = self._new_tokens(ids, max_new_tokens)
+        got = generate(self.model, ids, new, keep_logits=True, caches=self._caches, **self._kwargs())
+        return check_generation(self._eager_model(), got, new, self.bundle.manifest.backend.name, **self._kwargs())
+
+    def close(self) -> None:
+        """Unbind the model and let go of it and its caches."""
+        if self._loaded is not None:
+            Bundle.unbind(self._loaded.model)
+        self._loaded = self._caches = self._eager = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _kwargs(self) -> dict:
+        b = self.bundle
+        return dict(max_batch=b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, eos_ids=self.defaults.eos_token_ids, threads=self.threads)
+
+    def _prompts(self, prompts: Sequence[Prompt], chat: bool) -> list[list[int]]:
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise AotcError(f"prompts: expected a non-empty list of prompts, got {type(prompts).__name__} {_short(prompts)}; pass [prompt] for one")
+        self.model  # a closed Session says so before anything else
+        return [self.encode(p, chat, i) for i, p in enumerate(prompts)]
+
+    def _new_tokens(self, ids: list[list[int]], asked: int | None) -> int:
+        new = asked if asked is not None else self.defaults.max_new_tokens
+        if new < 1:
+            raise AotcError(f"max_new_tokens={new}: expected at least 1")
+        max_seq = self.bundle.max_seq
+        for i, p in enumerate(ids):
+            if len(p) + new > max_seq:
+                raise AotcError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={new} that is {len(p) + new} positions, more than "
+                    f"the bundle's max_seq {max_seq}. Shorten the prompt, lower max_new_tokens, or build with a larger --max-seq"
+                )
+        return new
+
+    def _run(self, ids: list[list[int]], new: int, on_token) -> Completions:
+        texts, eos = _TextDeltas(self.tokenizer, len(ids)), set(self.defaults.eos_token_ids)
+        emit = None
+        if on_token is not None:
+
+            def emit(i: int, s) -> None:
+                last = len(s.new_ids) == new or s.new_ids[-1] in eos
+                on_token(TokenEvent(i, s.new_ids[-1], texts.step(i, s.new_ids, last)))
+
+        gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, **self._kwargs())
+        return self._completions(gen)
+
+    def _stream(self, ids: list[list[int]], new: int, on_token) -> Iterator[TokenEvent]:
+        """The generation runs on a thread of its own; its events come through a queue. An
+        iterator left early stops it at its next token."""
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        done: list = []
+
+        def put(event: TokenEvent) -> None:
+            if stop.is_set():
+                raise _Stopped
+            if on_token is not None:
+                on_token(event)
+            events.put(event)
+
+        def work() -> None:
+            try:
+                done.append(self._run(ids, new, put))
+            except _Stopped:
+                pass
+            except BaseException as e:  # raised again in the caller's thread
+                done.append(e)
+            events.put(None)
+
+        worker = threading.Thread(target=work, name="aotc-session-generate", daemon=True)
+        worker.start()
+        try:
+            while (event := events.get()) is not None:
+                yield event
+        finally:
+            stop.set()
+            worker.join()
+        if done and isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0] if done else None
+
+    def _completions(self, gen: Generation) -> Completions:
+        eos = set(self.defaults.eos_token_ids)
+        items = [
+            Completion(
+                s.prompt_ids, s.new_ids, None if self.tokenizer is None else self.tokenizer.decode(s.new_ids),
+                "stop" if s.new_ids and s.new_ids[-1] in eos else "length",
+            )
+            for s in gen.sequences
+        ]  # fmt: skip
+        t = Timings(self._load_s, self._setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s)
+        return Completions(items, t)
+
+    def _eager_model(self):
+        """The model as eager code runs it, for check(): a second instance from the same folder,
+        every low-precision weight dequantized (the bound one holds some only as stored), with
+        the bundle's caches; loaded at the first check() and kept."""
+        from ..models.base import load_model
+
+        if self._eager is None:
+            self._eager = load_model(self.model_dir, **self.bundle.model_args(None, eager=True)).model
+        return self._eager
+
+    def _tokens(self, text: str, index: int, special: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise AotcError(f"prompt {index} is text, but {self.model_dir} has no tokenizer.json to encode it; pass token ids, or add the model's tokenizer.json")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
+            raise AotcError(f"prompt {index} is not valid UTF-8 text; pass it as UTF-8") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=special).ids
+        if not ids:
+            raise AotcError(f"prompt {index} is empty: it encodes to no tokens")
+        return ids
+
+
+class _Stopped(Exception):
+    """The stream's reader left: the generation ends at its next token."""
+
+
+class _TextDeltas:
+    """Per prompt, the text each new token completes (tokenizers' DecodeStream, which holds
+    back a character split across tokens), special tokens left out. A sequence's last token
+    also brings what is still held back, as the whole decode writes it (a character cut off
+    at the end: U+FFFD), so that the deltas join to Completion.text."""
+
+    def __init__(self, tokenizer, n: int):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.streams = [DecodeStream(skip_special_tokens=True) for _ in range(n)] if tokenizer is not None else None
+        self.sent = [""] * n
+
+    def step(self, i: int, ids: list[int], last: bool) -> str:
+        if self.streams is None:
+            return ""
+        text = self.streams[i].step(self.tokenizer, ids[-1]) or ""
+        self.sent[i] += text
+        if last:
+            whole = self.tokenizer.decode(ids)
+            if whole.startswith(self.sent[i]):
+                text += whole[len(self.sent[i]) :]
+                self.sent[i] = whole
+        return text
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _tokenizer(model_dir: Path):
+    """The folder's tokenizer.json, or None where it has none (token-id prompts still run)."""
+    from tokenizers import Tokenizer
+
+    from ..models.config import model_file
+
+    path = model_file(model_dir, "tokenizer.json")
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for any parse error
+        raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
+
+
+def bundle_model(b: Bundle, model: str | None, revision: str | None) -> Path:
+    """The weights for a bundle: `model`, else the folder it was built from, else the Hub
+    snapshot it was built from (the same commit) on this machine."""
+    from ..models.hub import resolve_model
+
+    if model is not None:
+        return resolve_model(model, revision)[0]
+    if revision is not None:
+        raise AotcError("--revision applies to --model ORG/NAME; the bundle's own model is the commit it was built from")
+    source, hub = Path(b.manifest.model.source), b.manifest.model.hub
+    if hub is not None and not source.is_dir():
+        return resolve_model(hub.repo_id, hub.commit)[0]
+    return source
+
+
+def check_memory(model, b: Bundle) -> None:
+    """Refuse before allocating caches that would not fit (a bundle built for a larger host)."""
+    from ..models.base import memory_shortfall
+
+    short = memory_shortfall(model, b.cache_slots, b.max_seq)
+    if short:
+        raise AotcError(
+            f"{b.dir} cannot run here: {short}. Rebuild it with a smaller --max-seq or fewer/smaller --buckets "
+            f"(now max_seq {b.max_seq}, batch buckets {','.join(map(str, b.manifest.shapes.batch))})"
+        )
