@@ -245,9 +245,13 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
     env = {**os.environ, "PATH": str(bindir)}
     assert shutil.which("g++", path=env["PATH"]) is None and shutil.which("c++", path=env["PATH"]) is None
     bundle = inductor_bundles[0].out
-    r = subprocess.run([sys.executable, "-m", "aotc.cli", "run", str(bundle), "--prompt", "Hello", "--max-new-tokens", "4", "--check"], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "aotc.cli", "run", str(bundle), "--prompt", "Hello", "--max-new-tokens", "4", "--check"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every token matches eager" in r.stdout
+    # `python -X importtime` lists every module the command imported, nested ones included.
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:") and "|" in line}
+    assert {"aotc", "aotc.runtime.session", "torch"} <= imported
+    assert not {m for m in imported if m.split(".")[0] in ("jax", "torchax") or m.startswith(("aotc.trace", "aotc.passes", "aotc.build", "torch._dynamo"))}, sorted(imported)
     script = (
         "import sys\n"
         "from aotc.models.base import load_model\n"
