@@ -308,6 +308,66 @@ def test_a_rank_of_a_torchrun_launch_joins_it(tp_bundle, tiny_dir):
     assert [p["new_ids"] for p in reports[0]["prompts"]] == eager_tokens(tiny_dir, reports[0], 8)
 
 
+SESSION_PROGRAM = """\
+import sys
+from aotc import Session
+
+with Session.open(sys.argv[1]) as session:
+    (done,) = session.generate(["Once upon a time"], max_new_tokens=8)
+    if session.rank == 0:
+        print(done.ids)
+"""
+# Rank 1 of it killed once it has opened the bundle: rank 0 then waits on it in its first collective.
+KILLED_PROGRAM = SESSION_PROGRAM.replace(
+    "with Session.open(sys.argv[1]) as session:\n",
+    "with Session.open(sys.argv[1]) as session:\n"
+    "    if session.rank == 1:\n"
+    "        import os, pathlib, signal, time; pathlib.Path(sys.argv[2]).write_text(str(time.time())); os.kill(os.getpid(), signal.SIGKILL)\n",
+)
+
+
+def test_a_session_program_under_torchrun_generates_the_eager_tokens(tp_bundle, tiny_dir, tmp_path):
+    """A user's 10-line program with aotc.Session, launched by torchrun on 2 ranks: each
+    opens the bundle (joining the group, its part of the weights), both generate, rank 0
+    prints the unsharded eager model's tokens."""
+    from tokenizers import Tokenizer
+
+    program = tmp_path / "program.py"
+    program.write_text(SESSION_PROGRAM)
+    assert len(SESSION_PROGRAM.strip().splitlines()) <= 10
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(tp_bundle.out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(printed) == 1  # rank 0 prints
+    ids = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode("Once upon a time").ids
+    assert json.loads(printed[0]) == eager_tokens(tiny_dir, {"prompts": [{"prompt_ids": ids}]}, 8)[0]
+
+
+def test_a_killed_rank_of_a_session_program_ends_the_launch_naming_it(tp_bundle, tmp_path):
+    """Rank 1 killed after opening (rank 0 then waits on it in the first collective):
+    torchrun ends the launch within 10 s of the kill, naming rank 1 and its signal."""
+    program, killed_at = tmp_path / "program.py", tmp_path / "killed"
+    program.write_text(KILLED_PROGRAM)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(tp_bundle.out), str(killed_at)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    ended = time.time()
+    assert done.returncode != 0 and not [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert "rank      : 1" in done.stderr and "Signal 9 (SIGKILL)" in done.stderr, done.stderr[-3000:]
+    assert ended - float(killed_at.read_text()) < 10
+
+
+def test_a_parallel_bundle_outside_a_launch_says_how_to_start_its_ranks(tp_bundle):
+    from aotc import Session
+
+    with pytest.raises(AotcError, match=r"runs on 2 ranks \(--tensor-parallel 2\): open it in each process of a launch, e\.g\. `torchrun --nproc-per-node 2 your_program\.py`, or run it with `aotc run "):
+        Session.open(tp_bundle.out)
+
+
 def parallel_port() -> int:
     from aotc.runtime.launch import free_port
 

@@ -114,10 +114,20 @@ def leave(gen) -> None:
     same buckets, the same gathered logits), then it leaves the process group."""
     import torch.distributed as dist
 
+    try:
+        agree(gen)
+    finally:
+        dist.destroy_process_group()
+
+
+def agree(gen) -> None:
+    """Every rank of a parallel generation made the same tokens (the same buckets, the same
+    gathered logits): an error naming the ranks that did not."""
+    import torch.distributed as dist
+
     mine = [s.new_ids for s in gen.sequences]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    dist.destroy_process_group()
     differs = [r for r, theirs in enumerate(every) if theirs != every[0]]
     if differs:
         from ..errors import AotcError

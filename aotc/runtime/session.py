@@ -14,6 +14,7 @@ generate() then runs greedy decoding through the bundle on those same caches.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -76,10 +77,11 @@ class Session:
     """A bundle bound to its model, ready to generate. Open one with Session.open; close it
     (or use it as a context manager) to release the model and its caches."""
 
-    def __init__(self, bundle: Bundle, loaded, model_dir: Path, threads: int | None, t0: float):
+    def __init__(self, bundle: Bundle, loaded, model_dir: Path, threads: int | None, t0: float, rank: int = 0, world_size: int = 1):
         from ..models.generation import generation_defaults
 
         self.bundle, self.model_dir, self.threads = bundle, model_dir, threads
+        self.rank, self.world_size = rank, world_size  # a parallel bundle: this process's rank of its launch
         self._loaded = loaded
         self.defaults = generation_defaults(model_dir, loaded.config_dict)
         self.tokenizer = _tokenizer(model_dir)
@@ -103,12 +105,7 @@ class Session:
 
         t0 = time.perf_counter()
         b = Bundle.load(bundle, plugins=list(plugins), expect_digest=expect_digest)
-        layout = b.manifest.parallel
-        if layout.world_size > 1:
-            raise AotcError(
-                f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); a Session opens a "
-                f"bundle of one rank. Run it with `aotc run {b.dir}`"
-            )
+        rank, world, threads = _join(b, threads)
         model_dir = bundle_model(b, None if model is None else str(model), revision)
         if not model_dir.is_dir():
             whose = "model=" if model is not None else f"the folder the bundle {b.dir} was built from, and it is gone"
@@ -116,12 +113,12 @@ class Session:
                 f"{model_dir}: no such folder ({whose}). Pass the folder or Hub id ORG/NAME with the model's weights: "
                 f"Session.open({str(b.dir)!r}, model=...)"
             )
-        loaded = load_model(model_dir, **b.model_args())
+        loaded = load_model(model_dir, **b.model_args(rank))
         b.check_model(loaded)
         check_memory(loaded.model, b)  # before the caches are allocated
         loaded.model.to(b.device)
-        b.bind(loaded.model)
-        return cls(b, loaded, model_dir, threads, t0)
+        b.bind(loaded.model, rank=rank, world_size=world)
+        return cls(b, loaded, model_dir, threads, t0, rank, world)
 
     @property
     def model(self):
@@ -174,12 +171,21 @@ class Session:
         ids = self._prompts(prompts, chat)
         new = self._new_tokens(ids, max_new_tokens)
         got = generate(self.model, ids, new, keep_logits=True, caches=self._caches, **self._kwargs())
+        if self.world_size > 1:  # each rank checks the tokens against the whole eager model
+            from .launch import agree
+
+            agree(got)
         return check_generation(self._eager_model(), got, new, self.bundle.manifest.backend.name, **self._kwargs())
 
     def close(self) -> None:
-        """Unbind the model and let go of it and its caches."""
+        """Unbind the model and let go of it and its caches; a rank of a parallel bundle
+        leaves its process group."""
         if self._loaded is not None:
             Bundle.unbind(self._loaded.model)
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
         self._loaded = self._caches = self._eager = None
 
     def __enter__(self) -> "Session":
@@ -221,6 +227,10 @@ class Session:
                 on_token(TokenEvent(i, s.new_ids[-1], texts.step(i, s.new_ids, last)))
 
         gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, **self._kwargs())
+        if self.world_size > 1:
+            from .launch import agree
+
+            agree(gen)
         return self._completions(gen)
 
     def _stream(self, ids: list[list[int]], new: int, on_token) -> Iterator[TokenEvent]:
@@ -291,6 +301,29 @@ class Session:
         if not ids:
             raise AotcError(f"prompt {index} is empty: it encodes to no tokens")
         return ids
+
+
+def _join(b: Bundle, threads: int | None) -> tuple[int, int, int | None]:
+    """(rank, world size, threads) for this process: a parallel bundle's ranks each open it
+    in a process of a launch (torchrun: RANK and WORLD_SIZE set), which joins its group here;
+    the local ranks share the CPUs out unless threads says otherwise."""
+    from ..parallel import join, joined_rank
+    from .launch import threads_per_rank
+
+    layout = b.manifest.parallel
+    if layout.world_size == 1:
+        return 0, 1, threads
+    launched = joined_rank()
+    if launched is None:
+        raise AotcError(
+            f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}): open it in each "
+            f"process of a launch, e.g. `torchrun --nproc-per-node {layout.world_size} your_program.py`, or run it with `aotc run {b.dir}`"
+        )
+    rank, world = launched
+    if world != layout.world_size:
+        raise AotcError(f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); this launch has WORLD_SIZE={world}")
+    join(layout, rank, b.device)
+    return rank, world, threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 class _Stopped(Exception):
