@@ -758,17 +758,13 @@ def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -
 
 
 def _tokenizer(model_dir: Path):
-    from tokenizers import Tokenizer
-
     from .models.config import model_file
+    from .runtime.session import read_tokenizer
 
-    path = model_file(model_dir, "tokenizer.json")
-    if not path.is_file():
-        raise AotcError(f"{path}: missing; `aotc run` needs the model's tokenizer.json to encode --prompt text")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for any parse error
-        raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
+    tokenizer = read_tokenizer(model_dir)
+    if tokenizer is None:
+        raise AotcError(f"{model_file(model_dir, 'tokenizer.json')}: missing; `aotc run` needs the model's tokenizer.json to encode --prompt text")
+    return tokenizer
 
 
 def _encode(tokenizer, prompts: list[str], special: bool = True) -> list[list[int]]:

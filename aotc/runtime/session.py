@@ -84,7 +84,7 @@ class Session:
         self.rank, self.world_size = rank, world_size  # a parallel bundle: this process's rank of its launch
         self._loaded = loaded
         self.defaults = generation_defaults(model_dir, loaded.config_dict)
-        self.tokenizer = _tokenizer(model_dir)
+        self.tokenizer = read_tokenizer(model_dir)
         # Allocated once, for every generate(): a sequence writes each position before any step reads it.
         self._caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, bundle.device, split=True)
         self._eager = None
@@ -361,7 +361,7 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _tokenizer(model_dir: Path):
+def read_tokenizer(model_dir: Path):
     """The folder's tokenizer.json, or None where it has none (token-id prompts still run)."""
     from tokenizers import Tokenizer
 
