@@ -1,4 +1,4 @@
-"""`python -m aotc`: the CLI (how aotc run starts the ranks of a parallel bundle)."""
+"""`python -m aotc`: the CLI."""
 
 from .cli import main
 

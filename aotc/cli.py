@@ -398,43 +398,29 @@ def run(
     from .models.hub import resolve_model
     from .plugins import load_plugins
     from .format import read_manifest
-    from .parallel import join, joined_rank
-    from .runtime import Bundle, check_generation, generate
+    from .parallel import joined_rank
+    from .runtime import generate
     from .runtime.generate import check_lengths
-    from .runtime.launch import leave, threads_per_rank
-    from .runtime.session import bundle_model, check_memory
+    from .runtime.session import Session, completions
 
+    session = None
     try:
         t0 = time.perf_counter()
         load_plugins(plugin)
-        rank, world = 0, 1  # a parallel bundle: this process's rank of its launch
         if eager:
             if check:
                 raise AotcError("--check compares a bundle with the eager model; it has nothing to compare with --eager")
             model_dir, _ = resolve_model(model or str(path), revision)
             loaded = load_model(model_dir)
-            b = None
+            defaults = generation_defaults(model_dir, loaded.config_dict)
         else:
             layout = read_manifest(path).parallel
             if layout.world_size > 1 and joined_rank() is None:
-                return _launch_ranks(layout.world_size)
-            rank, world = joined_rank() or (rank, world)
-            if world != layout.world_size:
-                raise AotcError(f"{path} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); this launch has WORLD_SIZE={world}")
-            b = Bundle.load(path, plugins=plugin, expect_digest=expect_digest)
-            model_dir = bundle_model(b, model, revision)
-            if world > 1:
-                join(layout, rank, b.device)
-                threads = threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            # Low-precision weights stay as the checkpoint stores them, for the graphs; --check
-            # also needs them dequantized, for eager (on a parallel bundle: the whole model, after).
-            loaded = load_model(model_dir, **b.model_args(rank, eager=check and world == 1))
-            b.check_model(loaded)
-            check_memory(loaded.model, b)  # before generate allocates the caches
-            loaded.model.to(b.device)
-        defaults = generation_defaults(model_dir, loaded.config_dict)
+                return _launch_ranks(layout.world_size, _rank_arguments(locals()))
+            session = Session.open(path, model, revision=revision, threads=threads, expect_digest=expect_digest, plugins=plugin)
+            model_dir, defaults = session.model_dir, session.defaults
         new_tokens = max_new_tokens or defaults.max_new_tokens
-        tokenizer = _tokenizer(model_dir)
+        tokenizer = (session and session.tokenizer) or _tokenizer(model_dir)  # none: the command's own message
         asked = prompt or list(DEFAULT_PROMPTS)
         texts = asked
         if chat:
@@ -443,7 +429,7 @@ def run(
             texts = [render_user_turn(model_dir, t) for t in asked]
         prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
         notes = []
-        if b is None:
+        if session is None:
             # The bundle path's checks, for eager: the model's positions, and memory for the caches.
             # An eager run reaches at most config.json's max_position_embeddings (where the
             # model's rotary tables and trained range end), as a bundle's max_seq does.
@@ -455,46 +441,43 @@ def run(
             if short:
                 raise AotcError(f"aotc run --eager: {short}. Shorten the prompts, lower --max-new-tokens or --max-batch")
         else:
+            b = session.bundle
             max_seq = b.max_seq
             if max_batch is not None and max_batch > b.max_batch:
                 raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
             if not prompt:
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
-            b.bind(loaded.model, rank=rank, world_size=world)
-        setup_s = time.perf_counter() - t0
-        kwargs = dict(max_batch=max_batch or (b.max_batch if b else len(prompts)), max_seq=max_seq, eos_ids=defaults.eos_token_ids, threads=threads)
-        if b is not None:
-            kwargs.update(slots=b.cache_slots, keep_logits=check)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
+        rank = 0 if session is None else session.rank
         stream = None if as_json or rank != 0 else _Stream(asked, prompts, tokenizer, notes)
         with stream or contextlib.nullcontext():
-            gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
-        if world > 1:
-            leave(gen)
-            if rank != 0:  # rank 0 reports, and checks against the whole eager model
-                return
-        after = _endings(gen, defaults, new_tokens, max_new_tokens, model_dir, chat)
-        checked = None
-        if check:
-            Bundle.unbind(loaded.model)
-            eager_model = loaded.model
-            if world > 1:
-                eager_model = load_model(model_dir, **b.model_args(None, eager=True)).model
-            checked = check_generation(eager_model, gen, new_tokens, b.manifest.backend.name, **kwargs)
+            if session is None:
+                kwargs = dict(max_batch=max_batch or len(prompts), max_seq=max_seq, eos_ids=defaults.eos_token_ids, threads=threads)
+                setup_s = time.perf_counter() - t0
+                gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
+                done = completions(gen, tokenizer, defaults.eos_token_ids, 0.0, setup_s)
+            else:
+                done = session.generate(prompts, max_new_tokens=new_tokens, max_batch=max_batch, on_token=stream and stream.event, check=check)
+        if rank != 0:  # rank 0 reports, and checked against the whole eager model
+            return session.close()
+        after = _endings(done, defaults, new_tokens, max_new_tokens, model_dir, chat)
         generation = {
             "eos_token_ids": list(defaults.eos_token_ids), "eos_from": defaults.eos_from, "max_new_tokens": new_tokens,
             "max_new_tokens_from": "--max-new-tokens" if max_new_tokens else defaults.max_new_tokens_from, "chat": chat,
         }  # fmt: skip
-        backend, source, load_s = ("eager", str(model_dir), 0.0) if b is None else (b.manifest.backend.name, str(b.dir), b.load_s)
-        report = _report(asked, gen, checked, tokenizer, backend, source, load_s, setup_s)
-        if checked is not None:
+        backend, source = ("eager", str(model_dir)) if session is None else (session.bundle.manifest.backend.name, str(session.bundle.dir))
+        report = _report(asked, done, backend, source)
+        if done.check is not None:
             from .layout import compiled_forms
 
             # Where a module compiles another algorithm than its eager code, the check compares the two.
-            report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(loaded.model)]
+            report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(session.model)]
         report.update(generation=generation, notes=notes + after)
     except AotcError as e:
         _fail(e)
+    finally:
+        if session is not None:
+            session.close()
     if as_json:
         print(json.dumps(report))
     else:
@@ -503,20 +486,36 @@ def run(
         raise typer.Exit(1)
 
 
-def _launch_ranks(world_size: int) -> None:
-    """aotc run on a parallel bundle: the same command once per rank, watched (runtime.launch)."""
+def _rank_arguments(values: dict) -> dict:
+    """aotc run's own arguments, as the rank entry point (run_rank) takes them again."""
+    names = ("model", "revision", "prompt", "chat", "max_new_tokens", "max_batch", "check", "eager", "plugin", "as_json", "threads", "expect_digest")
+    return {"path": str(values["path"]), **{n: values[n] for n in names}}
+
+
+def run_rank(**arguments) -> int:
+    """One rank of `aotc run` on a parallel bundle (the launcher's entry point, in a process of
+    its own with the launch's RANK and WORLD_SIZE): the command, with its exit status."""
+    import click
+
+    _options(verbose=False)  # as the command line would: --verbose reaches the ranks as VERBOSE_ENV
+    try:
+        run(**{**arguments, "path": Path(arguments["path"])})
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    return 0
+
+
+def _launch_ranks(world_size: int, arguments: dict) -> None:
+    """aotc run on a parallel bundle: run_rank once per rank, started and watched (runtime.launch)."""
     from .runtime.launch import launch
 
-    argv = sys.argv[1:]
-    if "run" not in argv:  # called as a library (a test's CliRunner), not as the aotc command
-        raise AotcError("a parallel bundle's ranks are started by the aotc command (aotc run) or torchrun; call it so")
-    code, why = launch(argv, world_size)
+    code, why = launch("aotc.cli:run_rank", arguments, world_size)
     if why:
         err_console.print(f"[red]error:[/] {why}; ended the other ranks", highlight=False)
     raise typer.Exit(code)
 
 
-def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: Path, chat: bool) -> list[str]:
+def _endings(done, defaults, new_tokens: int, asked_new: int | None, model_dir: Path, chat: bool) -> list[str]:
     """Notes on how the sequences ended, printed after them: prompts cut at the token limit
     before a stop token, and a stop token first where the folder has a chat template that
     --chat would have sent the prompt through."""
@@ -524,7 +523,7 @@ def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: P
 
     notes = []
     eos = set(defaults.eos_token_ids)
-    cut = [i for i, s in enumerate(gen.sequences) if len(s.new_ids) == new_tokens and not (s.new_ids and s.new_ids[-1] in eos)]
+    cut = [i for i, c in enumerate(done) if c.finish_reason == "length"]
     if cut and eos:
         if asked_new:
             where = "--max-new-tokens"
@@ -534,7 +533,7 @@ def _endings(gen, defaults, new_tokens: int, asked_new: int | None, model_dir: P
             where = "aotc's default"
         which = "prompt" if len(cut) == 1 else "prompts"
         notes.append(f"{which} {', '.join(map(str, cut))} stopped at {new_tokens} new tokens ({where}) before a stop token; --max-new-tokens N generates more")
-    if not chat and any(s.new_ids[:1] and s.new_ids[0] in eos for s in gen.sequences) and has_chat_template(model_dir):
+    if not chat and any(c.ids[:1] and c.ids[0] in eos for c in done) and has_chat_template(model_dir):
         notes.append(f"the model answered with a stop token at once; {model_dir} has a chat template: run with --chat to send each prompt as a user turn")
     return notes
 
@@ -555,18 +554,16 @@ def _fit_smoke_prompts(prompts: list[list[int]], new_tokens: int, max_seq: int) 
 class _Stream:
     """Text as it is generated: a single prompt streams to stdout; a batch is a live view
     with a line per sequence on a terminal, and is printed whole at the end elsewhere.
-    Per token it only records the id: the decoding (tokenizers' DecodeStream, which holds
-    back a character split across tokens) and the redraws stay off the decode loop's cost."""
+    Per token it takes the Session's TokenEvent (its text: tokenizers' DecodeStream, which
+    holds back a character split across tokens, special tokens such as a stop token left
+    out, as in the batch view and --json's "text"); a batch only records the id, so that
+    the redraws stay off the decode loop's cost."""
 
     def __init__(self, shown: list[str], prompts: list[list[int]], tokenizer, notes: list[str]):
-        from tokenizers.decoders import DecodeStream
-
         self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
         self.ids: list[list[int]] = [[] for _ in prompts]
-        # Special tokens (a stop token such as <|im_end|>) are not text: skipped, as in
-        # the batch view and --json's "text".
-        self.decoder = DecodeStream(skip_special_tokens=True)
         self.live = None
+        self.deltas = None  # --eager: the text of each token, as the Session makes it
 
     def __enter__(self):
         for note in self.notes:
@@ -604,13 +601,19 @@ class _Stream:
             lines += [Text.from_markup(self._header(i)), Text("  -> " + self.tokenizer.decode(ids))]
         return Group(*lines)
 
+    def event(self, event) -> None:
+        """The Session's on_token."""
+        self.ids[event.index].append(event.token_id)
+        if len(self.prompts) == 1 and event.text:
+            console.out(event.text, end="", highlight=False)
+            console.file.flush()
+
     def token(self, i: int, sequence) -> None:
-        self.ids[i] = sequence.new_ids
-        if len(self.prompts) == 1:
-            text = self.decoder.step(self.tokenizer, sequence.new_ids[-1])
-            if text:
-                console.out(text, end="", highlight=False)
-                console.file.flush()
+        """runtime.generate's on_token (aotc run --eager): the same events, from its sequences."""
+        from .runtime.session import TextDeltas, TokenEvent
+
+        self.deltas = self.deltas or TextDeltas(self.tokenizer, len(self.prompts))
+        self.event(TokenEvent(i, sequence.new_ids[-1], self.deltas.step(i, sequence.new_ids, False)))
 
 
 @app.command()
@@ -778,23 +781,21 @@ def _encode(tokenizer, prompts: list[str], special: bool = True) -> list[list[in
     return ids
 
 
-def _report(prompts, gen, checked, tokenizer, backend, source, load_s, setup_s) -> dict:
+def _report(prompts, done, backend, source) -> dict:
+    t, checked = done.timings, done.check
     out = {
         "bundle": source,
         "backend": backend,
-        "prompts": [
-            {"prompt": p, "prompt_ids": s.prompt_ids, "new_ids": s.new_ids, "text": tokenizer.decode(s.new_ids)}
-            for p, s in zip(prompts, gen.sequences)
-        ],
+        "prompts": [{"prompt": p, "prompt_ids": c.prompt_ids, "new_ids": c.ids, "text": c.text} for p, c in zip(prompts, done)],
         "timings": {
-            "bundle_load_s": round(load_s, 4),
-            "setup_s": round(setup_s, 4),
-            "ttft_s": round(gen.ttft_s, 4),
-            "prefill_s": round(gen.prefill_s, 4),
-            "prefill_tokens": gen.prefill_tokens,
-            "decode_s": round(gen.decode_s, 4),
-            "decode_steps": gen.decode_steps,
-            "decode_tokens_per_s": round(gen.decode_tokens_per_s, 1),
+            "bundle_load_s": round(t.load_s, 4),
+            "setup_s": round(t.setup_s, 4),
+            "ttft_s": round(t.ttft_s, 4),
+            "prefill_s": round(t.prefill_s, 4),
+            "prefill_tokens": t.prefill_tokens,
+            "decode_s": round(t.decode_s, 4),
+            "decode_steps": t.decode_steps,
+            "decode_tokens_per_s": round(t.decode_tokens_per_s, 1),
         },
     }
     if checked is not None:

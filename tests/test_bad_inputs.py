@@ -317,6 +317,8 @@ def chat_template(env: Env, template) -> Env:
 
 
 def _jinja_bytes(env: Env, data: bytes) -> Env:
+    """chat_template.jinja is read where tokenizer_config.json has no template (the tiny model's has one)."""
+    chat_template(env, None)
     (env.model / "chat_template.jinja").write_bytes(data)
     return env
 

@@ -295,6 +295,32 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tp_bundle):
     assert not any(_alive(pid) for pid in ranks.values())
 
 
+def test_the_launcher_runs_a_python_entry_point_per_rank_and_a_failed_rank_ends_the_rest(tmp_path, monkeypatch):
+    """launch("module:function", arguments, N): the function once per rank, in processes with
+    torchrun's environment; rank 1 exits with status 3 while rank 0 waits, and the launcher
+    ends rank 0 and names rank 1, without waiting for it."""
+    from aotc.runtime.launch import launch
+
+    (tmp_path / "ranked.py").write_text(
+        "import os, pathlib, sys, time\n"
+        "def work(out, fail):\n"
+        "    rank = int(os.environ['RANK'])\n"
+        "    pathlib.Path(out, f'rank{rank}').write_text(' '.join(os.environ[k] for k in ('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR')))\n"
+        "    if rank == fail:\n"
+        "        print('rank', rank, 'fails', file=sys.stderr)\n"
+        "        return 3\n"
+        "    time.sleep(120)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    t0 = time.monotonic()
+    code, why = launch("ranked:work", {"out": str(tmp_path), "fail": 1}, 2)
+    assert code == 1 and why.startswith("rank 1 exited with status 3:") and "rank 1 fails" in why, why
+    assert time.monotonic() - t0 < 60  # not rank 0's 120 s
+    assert (tmp_path / "rank0").read_text() == "2 0 127.0.0.1" and (tmp_path / "rank1").read_text() == "2 1 127.0.0.1"
+    with pytest.raises(ValueError, match="expected 'module:function'"):
+        launch("ranked.work", {}, 2)
+
+
 def test_a_rank_of_a_torchrun_launch_joins_it(tp_bundle, tiny_dir):
     """torchrun's own launcher: each worker is `aotc run` with RANK and WORLD_SIZE set."""
     done = subprocess.run(

@@ -147,6 +147,7 @@ def test_chat_template_renders_as_transformers_does(tiny_dir, small_bundle, tmp_
 def test_chat_template_is_sandboxed_and_missing_one_is_named(tiny_dir, small_bundle, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(tiny_dir, model)
+    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))  # aotc init tiny writes one: a folder without
     r = runner.invoke(app, ["run", str(small_bundle), "--model", str(model), "--chat", "--prompt", "hi"])
     assert r.exit_code == 2 and "tokenizer_config.json: no chat_template" in " ".join(r.output.split())
     # A template reaching for Python internals is stopped by the sandbox.

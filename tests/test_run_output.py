@@ -36,6 +36,7 @@ def test_a_cut_at_the_token_limit_is_noted_and_a_stop_is_not(tiny_dir, tmp_path)
 
 def test_a_stop_token_first_without_chat_names_the_folder_s_chat_template(tiny_dir, tmp_path):
     model = shutil.copytree(tiny_dir, tmp_path / "m")
+    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))  # aotc init tiny writes a template: none here
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": greedy(model, 1)[0]}))
     assert "chat template" not in eager(model)  # none in the folder
     (model / "chat_template.jinja").write_text(TURN)

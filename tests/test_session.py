@@ -19,6 +19,7 @@ from aotc.chat import render_messages
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
+from aotc.runtime.dispatch import is_bound
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
 CHATML = (
@@ -41,16 +42,14 @@ def session(tiny_bundle):
 
 def test_the_docs_examples_run_as_written(tiny_bundle, tiny_dir, tmp_path, monkeypatch):
     """Each python block of docs/python-api.md (and the README's), run as it stands, in a folder holding the
-    bundle it opens (artifacts/tiny: the tiny model's) and a copy of the tiny model with a
-    chat template (tiny-chat); the first, a program of at most 6 lines, prints what the
-    runtime generates."""
+    bundle it opens (artifacts/tiny: the tiny model's); the first, a program of at most 6
+    lines, prints what the runtime generates."""
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
     assert len(blocks) == 2 and len(blocks[0].strip().splitlines()) <= 8  # the import, a blank line, 6 lines
     readme = (DOCS.parent.parent / "README.md").read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
     blocks += re.findall(r"```python\n(.*?)```", readme, re.S)  # the README's shorter one
     (tmp_path / "artifacts").mkdir()
     (tmp_path / "artifacts" / "tiny").symlink_to(tiny_bundle.out)
-    with_template(tiny_dir, tmp_path / "tiny-chat")
     monkeypatch.chdir(tmp_path)
     printed, raw = [], []
     for block in blocks:
@@ -152,9 +151,34 @@ def test_chat_messages_render_through_the_template(tiny_bundle, tiny_dir, tmp_pa
         assert [c.prompt_ids for c in done] == [s.encode(chat), as_turn]
 
 
-def test_check_is_aotc_run_check(session):
+def test_the_tiny_models_chat_template_renders_as_transformers_does(session, tiny_dir):
+    """aotc init tiny's tokenizer_config.json: transformers loads the folder's tokenizer from it,
+    and its apply_chat_template makes the ids the Session sends for the same chat."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    expected = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert session.encode(chat) == expected and expected[0] == 1 and expected.count(2) == 4  # bos, and eos after each turn
+    assert render_messages(tiny_dir, chat).endswith("<|user|>\nBye</s>\n<|assistant|>\n")
+    (done,) = session.generate([[{"role": "user", "content": "Hi"}]], max_new_tokens=4)
+    assert done.prompt_ids == session.encode("Hi", chat=True) == hf.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]
+
+
+def test_check_is_aotc_run_check(session, monkeypatch):
+    """check() and generate(check=True) compare the generation they make with eager; a
+    full-precision bundle's check runs eager on the bound model's own weights (no second
+    load), and the session is bound again after it."""
+    import aotc.models.base
+
+    monkeypatch.setattr(aotc.models.base, "load_model", lambda *a, **k: pytest.fail("check loaded a second model"))
     report = session.check(["Hello", [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=8)
     assert report.passed and report.tokens_equal and len(report.per_prompt) == 2
+    done = session.generate(["Hello", [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=8, check=True, max_batch=1)
+    assert done.check.passed and done.check.tokens_equal and [p.tokens for p in done.check.per_prompt] == [8, 8]
+    assert done.timings.decode_steps == 2 * 7  # max_batch=1: one prompt after the other
+    assert session.generate(["Hello"], max_new_tokens=8).check is None
+    assert is_bound(session.model)  # bound again: the next generate runs the graphs
 
 
 def test_errors_name_the_fix(session, tiny_bundle, tmp_path):
@@ -166,6 +190,8 @@ def test_errors_name_the_fix(session, tiny_bundle, tmp_path):
         session.generate("Hello")
     with pytest.raises(AotcError, match=r'prompt 0 is dict .*; expected text, a non-empty list of token ids, or a chat: a list of \{"role"'):
         session.generate([{"role": "user", "content": "hi"}])
+    with pytest.raises(AotcError, match=r"max_batch=8: expected 1 to 4, the bundle's largest batch bucket"):
+        session.generate(["Hello"], max_batch=8)
     with pytest.raises(AotcError, match=r"max_new_tokens=0: expected at least 1"):
         session.generate(["Hello"], max_new_tokens=0)
     other = write_tiny(tmp_path / "qwen", arch="qwen2", layers=2)

@@ -92,3 +92,7 @@ _.until
 # docs/python-api.md: why a completion ended, and a streamed token's id.
 _.finish_reason
 _.token_id
+
+# aotc run's rank entry point, named as "aotc.cli:run_rank" to runtime/launch.py, which
+# imports it by name in each rank's process.
+_.run_rank

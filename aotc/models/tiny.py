@@ -1,8 +1,10 @@
 """`aotc init tiny`: small random models in the exact Hugging Face layout.
 
 The folder holds config.json (HF field names), model.safetensors (HF tensor
-names) and tokenizer.json, so it goes through the same loader as a real
-checkpoint. The defaults make the embedded default model.
+names), tokenizer.json and tokenizer_config.json (its special tokens and a small
+chat template), so it goes through the same loader as a real checkpoint, and
+`aotc run --chat` and chat messages work on it. The defaults make the embedded
+default model.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ DEFAULT_LAYERS = 4
 DEFAULT_SEED = 0
 TOKENIZER_VOCAB = 512
 SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: bos 1, eos 2 as in the tiny configs
+# A turn per message, each closed by eos, as the common instruct templates (Zephyr's,
+# ChatML's) write them; the role markers are plain text to this tokenizer. It renders
+# system, user and assistant turns, and opens the assistant's with add_generation_prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL[1], "eos_token": SPECIAL[2], "unk_token": SPECIAL[0],
+    "chat_template": CHAT_TEMPLATE,
+}  # fmt: skip
 
 
 
@@ -74,7 +87,7 @@ def write_model(
     out: Path, config: dict, tokenizer: Tokenizer, *, seed: int = DEFAULT_SEED, quantize: str = "none", layout: str = "hf",
     head_std: float | None = None,
 ) -> Path:  # fmt: skip
-    """Write config.json, tokenizer.json and random weights into `out`, atomically.
+    """Write config.json, tokenizer.json, tokenizer_config.json and random weights into `out`, atomically.
 
     quantize="fp8": the decoder layers' linear weights as float8_e4m3fn with a scale
     per 128 x 128 block, as DeepSeek publishes them; "fp4-experts": the routed
@@ -94,6 +107,7 @@ def write_model(
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(tokenizer.to_str())
+        (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
         _, arch, parsed = parse_config(tmp)
         model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed), **({} if head_std is None else {"head_std": head_std}))

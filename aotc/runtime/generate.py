@@ -49,16 +49,17 @@ class Generation:
         return decoded / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq: int, limit: str | None = None) -> None:
+def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq: int, limit: str | None = None, asked: str = "--max-new-tokens ") -> None:
     """Each prompt with its new tokens within max_seq positions. limit: what sets max_seq
-    and how to raise it (default: a bundle's caches)."""
+    and how to raise it (default: a bundle's caches); asked: how the caller names the new
+    tokens' count (the CLI's flag, the Python API's argument)."""
     limit = limit or f"the cache holds (max_seq {max_seq}). Shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-seq"
     for i, p in enumerate(prompts):
         if not p:
             raise AotcError(f"prompt {i} is empty; give at least one token")
         if len(p) + max_new_tokens > max_seq:
             raise AotcError(
-                f"prompt {i} has {len(p)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                f"prompt {i} has {len(p)} tokens; with {asked}{max_new_tokens} that is "
                 f"{len(p) + max_new_tokens} positions, more than {limit}"
             )
 

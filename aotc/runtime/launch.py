@@ -1,10 +1,19 @@
 """Starting and watching the local ranks of a parallel run (`aotc run` on a parallel bundle).
 
-Each rank is the same `aotc run` command in a process of its own, with the
-environment torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a rank started here and one
-started by torchrun take one path. Rank 0 writes to this terminal; the others'
-output is kept, and shown when that rank fails.
+`launch(entry, arguments, world_size)` runs a Python function, named as
+"module:function", with keyword arguments (JSON values), once per rank, each in a
+process of its own (`python -m aotc.runtime.launch CALL`) with the environment
+torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). So a rank started here and one started by torchrun
+take one path: the function opens its Session (aotc.Session), which joins the
+launch. `aotc run` passes its own command (aotc.cli:run_rank); a server passes
+its own. Rank 0 writes to this terminal; the others' output is kept, and shown
+when that rank fails.
+
+Why not torch.distributed.elastic (torchrun's agent): its workers are not tied to
+the agent's life, so a SIGKILLed launcher would leave them running; each rank
+here dies with it (PR_SET_PDEATHSIG). It also restarts and re-rendezvouses
+workers, which a fixed-shape inference run has no use for.
 
 A rank that dies leaves the others blocked in a collective until the process
 group's timeout (aotc.parallel.TIMEOUT). The launcher does not wait for that: it
@@ -16,6 +25,8 @@ killed launcher leaves no rank behind either.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import json
 import os
 import signal
 import socket
@@ -48,18 +59,24 @@ def threads_per_rank(local_world: int) -> int:
     return max(1, cpus // local_world)
 
 
-def launch(argv: list[str], world_size: int, out=None) -> tuple[int, str | None]:
-    """Run `python -m aotc ARGV` as ranks 0..world_size-1 and watch them. Returns (exit
-    status, what went wrong or None): rank 0's status when every rank ends by itself,
-    else 1 with the rank that failed first."""
+def launch(entry: str, arguments: dict, world_size: int, out=None) -> tuple[int, str | None]:
+    """Run entry(**arguments) ("module:function"; JSON-serializable arguments) as ranks
+    0..world_size-1 and watch them. A rank's exit status is the int the function returns
+    (None: 0). Returns (exit status, what went wrong or None): rank 0's status when every
+    rank ends by itself, else 1 with the rank that failed first."""
+    module, _, function = entry.partition(":")
+    if not module or not function:
+        raise ValueError(f"launch entry {entry!r}: expected 'module:function'")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    logs = tempfile.TemporaryDirectory(prefix="aotc-ranks-")
+    logs = tempfile.TemporaryDirectory(prefix="aotc-ranks-")  # 0700: the call file is ours alone
+    call = Path(logs.name) / "call.json"
+    call.write_text(json.dumps({"entry": entry, "arguments": arguments}))
     children: list[subprocess.Popen] = []
     try:
         for rank in range(world_size):
             log = None if rank == 0 else open(Path(logs.name) / f"rank{rank}.log", "wb")
             children.append(subprocess.Popen(
-                [sys.executable, "-m", "aotc", *argv], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                [sys.executable, "-m", __name__, str(call)], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                 stdout=out if rank == 0 else log, stderr=None if rank == 0 else log, preexec_fn=_die_with_parent,
             ))  # fmt: skip
         return _watch(children, logs.name)
@@ -109,17 +126,6 @@ def _end(children: list[subprocess.Popen]) -> None:
             c.wait()
 
 
-def leave(gen) -> None:
-    """A rank's end of a parallel generation: every rank must have made the same tokens (the
-    same buckets, the same gathered logits), then it leaves the process group."""
-    import torch.distributed as dist
-
-    try:
-        agree(gen)
-    finally:
-        dist.destroy_process_group()
-
-
 def agree(gen) -> None:
     """Every rank of a parallel generation made the same tokens (the same buckets, the same
     gathered logits): an error naming the ranks that did not."""
@@ -133,3 +139,15 @@ def agree(gen) -> None:
         from ..errors import AotcError
 
         raise AotcError(f"ranks {', '.join(map(str, differs))} generated other tokens than rank 0; the ranks must run the same graphs on the same inputs")
+
+
+def _rank(call: str) -> int:
+    """A rank's process: the launcher's call, read from the file it wrote for its ranks."""
+    what = json.loads(Path(call).read_text())
+    module, _, function = what["entry"].partition(":")
+    status = getattr(importlib.import_module(module), function)(**what["arguments"])
+    return 0 if status is None else int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(_rank(sys.argv[1]))

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence, Union
 from ..errors import AotcError
 from .bundle import Bundle
 from .check import CheckReport, check_generation
-from .generate import Generation, generate
+from .generate import Generation, check_lengths, generate
 
 # A prompt: text, token ids, or a conversation ({"role", "content"} dicts).
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -56,11 +56,12 @@ class Completion:
 
 
 class Completions(list):
-    """The completions of one generate() call, in prompt order, and its timings."""
+    """The completions of one generate() call, in prompt order, and its timings; with
+    check=True, the fidelity check of this same generation against eager (.check)."""
 
-    def __init__(self, items: list[Completion], timings: Timings):
+    def __init__(self, items: list[Completion], timings: Timings, check: CheckReport | None = None):
         super().__init__(items)
-        self.timings = timings
+        self.timings, self.check = timings, check
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Session:
             whose = "model=" if model is not None else f"the folder the bundle {b.dir} was built from, and it is gone"
             raise AotcError(
                 f"{model_dir}: no such folder ({whose}). Pass the folder or Hub id ORG/NAME with the model's weights: "
-                f"Session.open({str(b.dir)!r}, model=...)"
+                f"Session.open({str(b.dir)!r}, model=...), or aotc run {b.dir} --model ..."
             )
         loaded = load_model(model_dir, **b.model_args(rank))
         b.check_model(loaded)
@@ -151,31 +152,30 @@ class Session:
 
     def generate(
         self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False, stream: bool = False,
-        on_token: Callable[[TokenEvent], None] | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None, max_batch: int | None = None, check: bool = False,
     ) -> Completions | Iterator[TokenEvent]:  # fmt: skip
         """Greedy generation of each prompt through the bundle, stopping at the model's stop
         tokens (generation_config.json's, else config.json's) or after max_new_tokens
         (default: generation_config.json's, else 32). chat=True: text prompts are sent as
         a user turn through the chat template. on_token(event) runs for each new token.
         stream=True: returns an iterator of TokenEvents instead, as the tokens come; the
-        Completions are then the iterator's return value (StopIteration.value)."""
+        Completions are then the iterator's return value (StopIteration.value).
+        max_batch: prompts run together (default: the bundle's largest batch bucket).
+        check=True: the Completions' .check is this generation checked against the eager
+        model under the fidelity rule (check()); on a parallel bundle, rank 0 checks and
+        the other ranks' .check is None."""
         ids = self._prompts(prompts, chat)
         new = self._new_tokens(ids, max_new_tokens)
+        batch = self._max_batch(max_batch)
         if stream:
-            return self._stream(ids, new, on_token)
-        return self._run(ids, new, on_token)
+            return self._stream(ids, new, on_token, batch, check)
+        return self._run(ids, new, on_token, batch, check)
 
-    def check(self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False) -> CheckReport:
+    def check(self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False) -> CheckReport | None:
         """`aotc run --check` for these prompts: the bundle's generation against the eager
-        model's under the product's fidelity rule (runtime.check); report.passed says."""
-        ids = self._prompts(prompts, chat)
-        new = self._new_tokens(ids, max_new_tokens)
-        got = generate(self.model, ids, new, keep_logits=True, caches=self._caches, **self._kwargs())
-        if self.world_size > 1:  # each rank checks the tokens against the whole eager model
-            from .launch import agree
-
-            agree(got)
-        return check_generation(self._eager_model(), got, new, self.bundle.manifest.backend.name, **self._kwargs())
+        model's under the product's fidelity rule (runtime.check); report.passed says.
+        A parallel bundle's rank 0 checks against the whole eager model; the others get None."""
+        return self.generate(prompts, max_new_tokens=max_new_tokens, chat=chat, check=True).check
 
     def close(self) -> None:
         """Unbind the model and let go of it and its caches; a rank of a parallel bundle
@@ -194,9 +194,14 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _kwargs(self) -> dict:
+    def _kwargs(self, max_batch: int | None = None) -> dict:
         b = self.bundle
-        return dict(max_batch=b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, eos_ids=self.defaults.eos_token_ids, threads=self.threads)
+        return dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, eos_ids=self.defaults.eos_token_ids, threads=self.threads)
+
+    def _max_batch(self, asked: int | None) -> int | None:
+        if asked is not None and not 1 <= asked <= self.bundle.max_batch:
+            raise AotcError(f"max_batch={asked}: expected 1 to {self.bundle.max_batch}, the bundle's largest batch bucket")
+        return asked
 
     def _prompts(self, prompts: Sequence[Prompt], chat: bool) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
@@ -209,16 +214,12 @@ class Session:
         if new < 1:
             raise AotcError(f"max_new_tokens={new}: expected at least 1")
         max_seq = self.bundle.max_seq
-        for i, p in enumerate(ids):
-            if len(p) + new > max_seq:
-                raise AotcError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={new} that is {len(p) + new} positions, more than "
-                    f"the bundle's max_seq {max_seq}. Shorten the prompt, lower max_new_tokens, or build with a larger --max-seq"
-                )
+        limit = f"the bundle's max_seq {max_seq}. Shorten the prompt, lower max_new_tokens, or build with a larger --max-seq"
+        check_lengths(ids, new, max_seq, limit, asked="max_new_tokens=")
         return new
 
-    def _run(self, ids: list[list[int]], new: int, on_token) -> Completions:
-        texts, eos = _TextDeltas(self.tokenizer, len(ids)), set(self.defaults.eos_token_ids)
+    def _run(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False) -> Completions:
+        texts, eos = TextDeltas(self.tokenizer, len(ids)), set(self.defaults.eos_token_ids)
         emit = None
         if on_token is not None:
 
@@ -226,14 +227,30 @@ class Session:
                 last = len(s.new_ids) == new or s.new_ids[-1] in eos
                 on_token(TokenEvent(i, s.new_ids[-1], texts.step(i, s.new_ids, last)))
 
-        gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, **self._kwargs())
+        kwargs = self._kwargs(max_batch)
+        gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, keep_logits=check, **kwargs)
         if self.world_size > 1:
             from .launch import agree
 
             agree(gen)
-        return self._completions(gen)
+        report = self._check(gen, new, kwargs) if check and self.rank == 0 else None
+        return completions(gen, self.tokenizer, self.defaults.eos_token_ids, self._load_s, self._setup_s, report)
 
-    def _stream(self, ids: list[list[int]], new: int, on_token) -> Iterator[TokenEvent]:
+    def _check(self, gen: Generation, new: int, kwargs: dict) -> CheckReport:
+        """gen against the eager model. A full-precision bundle on one rank: the bound model's
+        own weights are eager's, so the check unbinds it for the eager run and binds it again
+        after (no second copy of the weights); otherwise a second instance (_eager_model)."""
+        backend = self.bundle.manifest.backend.name
+        if self.world_size > 1 or self.bundle.stored_params():
+            return check_generation(self._eager_model(), gen, new, backend, **kwargs)
+        model = self.model
+        Bundle.unbind(model)
+        try:
+            return check_generation(model, gen, new, backend, **kwargs)
+        finally:
+            self.bundle.bind(model)
+
+    def _stream(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False) -> Iterator[TokenEvent]:
         """The generation runs on a thread of its own; its events come through a queue. An
         iterator left early stops it at its next token."""
         events: queue.Queue = queue.Queue()
@@ -249,7 +266,7 @@ class Session:
 
         def work() -> None:
             try:
-                done.append(self._run(ids, new, put))
+                done.append(self._run(ids, new, put, max_batch, check))
             except _Stopped:
                 pass
             except BaseException as e:  # raised again in the caller's thread
@@ -267,18 +284,6 @@ class Session:
         if done and isinstance(done[0], BaseException):
             raise done[0]
         return done[0] if done else None
-
-    def _completions(self, gen: Generation) -> Completions:
-        eos = set(self.defaults.eos_token_ids)
-        items = [
-            Completion(
-                s.prompt_ids, s.new_ids, None if self.tokenizer is None else self.tokenizer.decode(s.new_ids),
-                "stop" if s.new_ids and s.new_ids[-1] in eos else "length",
-            )
-            for s in gen.sequences
-        ]  # fmt: skip
-        t = Timings(self._load_s, self._setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s)
-        return Completions(items, t)
 
     def _eager_model(self):
         """The model as eager code runs it, for check(): a second instance from the same folder,
@@ -301,6 +306,21 @@ class Session:
         if not ids:
             raise AotcError(f"prompt {index} is empty: it encodes to no tokens")
         return ids
+
+
+def completions(gen: Generation, tokenizer, eos_ids, load_s: float, setup_s: float, check: CheckReport | None = None) -> Completions:
+    """A runtime Generation as Completions: each sequence's text (special tokens left out)
+    and finish reason, the generation's timings (load_s, setup_s: what opening took)."""
+    eos = set(eos_ids)
+    items = [
+        Completion(
+            s.prompt_ids, s.new_ids, None if tokenizer is None else tokenizer.decode(s.new_ids),
+            "stop" if s.new_ids and s.new_ids[-1] in eos else "length",
+        )
+        for s in gen.sequences
+    ]  # fmt: skip
+    t = Timings(load_s, setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s)
+    return Completions(items, t, check)
 
 
 def _join(b: Bundle, threads: int | None) -> tuple[int, int, int | None]:
@@ -330,7 +350,7 @@ class _Stopped(Exception):
     """The stream's reader left: the generation ends at its next token."""
 
 
-class _TextDeltas:
+class TextDeltas:
     """Per prompt, the text each new token completes (tokenizers' DecodeStream, which holds
     back a character split across tokens), special tokens left out. A sequence's last token
     also brings what is still held back, as the whole decode writes it (a character cut off
