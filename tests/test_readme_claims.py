@@ -50,7 +50,7 @@ def test_build_prints_its_table_and_the_fallback_message(tiny_dir, tmp_path, mon
     assert "LlamaDecoderLayer.decode │ 1 │ 64 │ uncached" in said and "traced 3 graphs for 3 entries serving" in said
 
 
-def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
+def test_jobs_default_is_bounded_by_cores_memory_work_and_load(monkeypatch):
     from aotc.backends.inductor import InductorBackend
     from aotc.backends.neuron import NeuronBackend
     from aotc.build.options import default_jobs
@@ -58,6 +58,7 @@ def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
 
     pages = {"SC_PAGE_SIZE": 1 << 12, "SC_AVPHYS_PAGES": (20 << 30) >> 12}  # 20 GB free
     monkeypatch.setattr("os.sysconf", lambda name: pages[name])
+    monkeypatch.setattr("aotc.runtime.threads.running_elsewhere", lambda: 0)  # a quiet machine
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert default_jobs(50, ExportBackend()) == 1  # a compile is a file write
     assert default_jobs(50, InductorBackend()) == 10  # 2 GB each
@@ -65,6 +66,10 @@ def test_jobs_default_is_bounded_by_cores_memory_and_work(monkeypatch):
     assert default_jobs(3, InductorBackend()) == 3  # no more than the work
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert default_jobs(50, InductorBackend()) == 2  # no more than the cores
+    monkeypatch.setattr("aotc.runtime.threads.running_elsewhere", lambda: 1)
+    assert default_jobs(50, InductorBackend()) == 1  # no more than the cores other processes leave free
+    monkeypatch.setattr("aotc.runtime.threads.running_elsewhere", lambda: 5)
+    assert default_jobs(50, InductorBackend()) == 1  # and at least one
 
 
 def test_cpu_target_is_in_the_cache_key(tiny_dir, monkeypatch):

@@ -6,8 +6,10 @@ backends are checked against.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import hashlib
 import io
 import json
 import threading
@@ -20,7 +22,7 @@ import torch
 
 from ..format import ArtifactRecord, write_atomic
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
-from .export_archive import WEIGHTS_MEMBER, check_archive, program_inputs, program_weights
+from .export_archive import WEIGHTS_MEMBER, read_archive
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -133,15 +135,53 @@ class ExportBackend(Backend):
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
-        data = (art_dir / PROGRAM).read_bytes()
-        check_archive(art_dir / PROGRAM, data)  # the bytes torch reads next: its loader unpickles and resolves names
-        program = load_program(data)
-        # Every input is a user input, so the graph module takes the flat list
-        # as is; this skips ExportedProgram.module()'s pytree and state handling.
-        return GraphProgram(program.graph_module)
+        archive, data = _read(art_dir / PROGRAM)
+        with archive.lock:
+            if archive.gm is None:
+                # Every input is a user input, so the graph module takes the flat list
+                # as is; this skips ExportedProgram.module()'s pytree and state handling.
+                archive.gm = load_program(data).graph_module
+        return GraphProgram(archive.gm)
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
-        return program_inputs(art_dir / PROGRAM)
+        return _read(art_dir / PROGRAM)[0].inputs
 
     def weight_paths(self, art_dir: Path) -> list[str]:
-        return program_weights(art_dir / PROGRAM)
+        return _read(art_dir / PROGRAM)[0].weights
+
+
+class _Archive:
+    """One export archive as this process read it: what its JSON says (checked), and its
+    graph module once loaded."""
+
+    def __init__(self, inputs: list[tuple[list[int], str]], weights: list[str]):
+        self.inputs, self.weights, self.gm = inputs, weights, None
+        self.lock = threading.Lock()
+
+
+# The archives this process has checked and loaded, by the sha256 of their bytes, the most
+# recently used last. A bundle loads each archive three times (its signature, its weights,
+# the program: one JSON parse), and a process that opens a bundle again (a server's
+# Session, a test) deserializes none of it again: torch.export.load is most of a bundle's
+# load (0.5 s for a DeepSeek V4 block's program). Keyed by the bytes read each time, so
+# what runs is always what these bytes hold. A graph module without its weights is small.
+_ARCHIVES: "collections.OrderedDict[str, _Archive]" = collections.OrderedDict()
+_ARCHIVES_KEPT = 256
+_ARCHIVES_LOCK = threading.Lock()
+
+
+def _read(path: Path) -> tuple[_Archive, bytes]:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    with _ARCHIVES_LOCK:
+        archive = _ARCHIVES.get(digest)
+        if archive is not None:
+            _ARCHIVES.move_to_end(digest)
+            return archive, data
+    # Read as data first: torch's loader, next, unpickles and resolves names.
+    archive = _Archive(*read_archive(path, data))
+    with _ARCHIVES_LOCK:
+        archive = _ARCHIVES.setdefault(digest, archive)
+        while len(_ARCHIVES) > _ARCHIVES_KEPT:
+            _ARCHIVES.popitem(last=False)
+    return archive, data

@@ -55,10 +55,21 @@ SPEC_TYPES = {"builtins.tuple", "builtins.list", "builtins.dict", None}
 
 def program_inputs(path: Path) -> list[tuple[list[int], str]]:
     """The program's inputs (shape, dtype name) as its archive records them."""
+    return inputs_of(check_archive(path))
+
+
+def read_archive(path: Path, data: bytes) -> tuple[list[tuple[list[int], str]], list[str]]:
+    """check_archive of the archive's bytes, and what a loader needs of its JSON: the
+    program's inputs (program_inputs) and which tensor each weight input is (program_weights)."""
+    program, weights = _checked(path, data)
+    return inputs_of(program), weights
+
+
+def inputs_of(program: dict) -> list[tuple[list[int], str]]:
     # torch's own table from the archive's dtype numbers (read only, no public equivalent)
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
-    graph = check_archive(path)["graph_module"]["graph"]
+    graph = program["graph_module"]["graph"]
     out = []
     for spec in graph["inputs"]:
         value = graph["tensor_values"][spec["as_tensor"]["name"]]

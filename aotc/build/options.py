@@ -189,7 +189,14 @@ class BuildOptions:
 
 
 def default_jobs(tasks: int, backend: Backend) -> int:
-    """Parallel compile processes: bounded by cores and by each compile's memory."""
+    """Parallel compile processes: bounded by cores, by each compile's memory, and by the
+    CPUs other processes leave free. A CPU that another process keeps busy would be shared,
+    and each compile process costs a start-up of its own (torch's import, seconds of CPU)."""
+    import os
+
+    from ..runtime.threads import running_elsewhere
+
     if backend.compile_memory_gb is None or tasks <= 1:
         return 1  # a compile is a file write: processes would cost more than they save
-    return parallel_jobs(tasks, backend.compile_memory_gb)
+    free_cpus = (os.cpu_count() or 1) - (running_elsewhere() or 0)
+    return max(1, min(parallel_jobs(tasks, backend.compile_memory_gb), free_cpus))
