@@ -138,7 +138,7 @@ def test_bad_inputs_are_refused_naming_them_and_leave_nothing_behind(tmp_path):
     with pytest.raises(WeightsError, match=r"model\.safetensors: tensor '.*' is float8_e4m3fn; the checkpoint is already quantized"):
         quantize_model(quantized, tmp_path / "o", "fp8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "full", "src"]
-    assert sorted(p.name for p in source.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in source.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_the_command_says_what_it_quantized_and_exits_2_on_bad_input(tmp_path):

@@ -53,19 +53,15 @@ EXPR_TOKEN = re.compile(r"\s*(?:(?P<word>[A-Za-z_]\w*)|(?P<name>'[us]\d+')|-?\d+
 SPEC_TYPES = {"builtins.tuple", "builtins.list", "builtins.dict", None}
 
 
-def program_inputs(path: Path) -> list[tuple[list[int], str]]:
-    """The program's inputs (shape, dtype name) as its archive records them."""
-    return inputs_of(check_archive(path))
-
-
 def read_archive(path: Path, data: bytes) -> tuple[list[tuple[list[int], str]], list[str]]:
     """check_archive of the archive's bytes, and what a loader needs of its JSON: the
-    program's inputs (program_inputs) and which tensor each weight input is (program_weights)."""
+    program's inputs (shape, dtype name) and which tensor each weight input is
+    (Specs.weight_paths)."""
     program, weights = _checked(path, data)
-    return inputs_of(program), weights
+    return _inputs(program), weights
 
 
-def inputs_of(program: dict) -> list[tuple[list[int], str]]:
+def _inputs(program: dict) -> list[tuple[list[int], str]]:
     # torch's own table from the archive's dtype numbers (read only, no public equivalent)
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
@@ -77,11 +73,6 @@ def inputs_of(program: dict) -> list[tuple[list[int], str]]:
         dtype = _SERIALIZE_TO_TORCH_DTYPE.get(value["dtype"])
         out.append((sizes, str(dtype).removeprefix("torch.")))
     return out
-
-
-def program_weights(path: Path) -> list[str]:
-    """Which tensor each weight input is (Specs.weight_paths), as the archive records it."""
-    return _checked(path)[1]
 
 
 def check_archive(path: Path, data: bytes | None = None) -> dict:
