@@ -27,7 +27,7 @@ def bench(tmp_path_factory):
         import common
 
         sections = common.load_sections()
-        run = common.Run(tmp_path_factory.mktemp("bench"), quick=True, backend="export", torch_compile_backend="eager")
+        run = common.Run(tmp_path_factory.mktemp("bench"), quick=True, backend="export", torch_compile_backend="eager", quick_scale=0.1)
         yield run, sections
     finally:
         sys.path.remove(str(BENCH))
