@@ -67,9 +67,12 @@ ARCHS = {
                                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 LAYERS = {"gpt2": "n_layer"}
-# The compiled matrix runs on its cheap backend in CI (xla: gemma2 22 s and qwen3_moe
-# 28 s, against 114 s and 132 s on inductor); every other pair under `slow`.
-IN_CI = {("gemma2", "xla"), ("qwen3_moe", "xla")}
+# The compiled matrix runs one pair in CI, on its cheap backend: qwen3_moe on xla (28 s,
+# against 132 s on inductor), the generic path's MoE with a dense layer among sparse ones
+# through the static strip pass and HLO; every other pair under `slow`. gemma2's xla pair
+# (22 s) went under slow too (issue 64): its export cell runs gemma2's windows and soft-caps
+# against transformers in CI, and every xla mechanism runs in CI on llama (test_xla.py).
+IN_CI = {("qwen3_moe", "xla")}
 
 
 def save(name: str, folder, layers: int = 3, dtype: torch.dtype = torch.float32, **more):

@@ -292,6 +292,9 @@ def test_every_v4_entry_is_static_and_matches_eager(v4):
                     torch.testing.assert_close(graph_cache[:-1], eager_cache[:-1], atol=1e-4, rtol=1e-4, msg=f"{variant.entry_id} {name}")
 
 
+# Under slow (issue 64): CI's V4 export bundle (test_deepseek_v4_compiled.py) keeps these
+# entries "unbacked" and runs their saved programs against eager.
+@pytest.mark.slow
 def test_v4_keeps_unbacked_nonzero_for_export(v4, tmp_path):
     """Export and inductor targets keep the data-dependent MoE; the saved program runs it."""
     g = torch.Generator().manual_seed(1)
