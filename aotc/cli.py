@@ -225,14 +225,21 @@ def build(
             modeling=modeling, tensor_parallel=tensor_parallel,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err_console, transient=False) as progress:
+        # Off a terminal rich's live bars render only at exit: a CI log (stdout to a file or a
+        # pipe) gets a plain line per artifact as it finishes instead, and the bars are drawn
+        # only where stderr is a terminal.
+        with Progress(*columns, console=err_console, transient=False, disable=not err_console.is_terminal) as progress:
             tasks = {}
 
             def report(event, **info):
                 if event == "entry":
                     tasks[info["id"]] = progress.add_task(info["id"], total=info["total"])
-                else:
-                    progress.advance(tasks[info["id"]])
+                    return
+                progress.advance(tasks[info["id"]])
+                if not console.is_terminal:
+                    context = "" if info["context"] is None else f" context {info['context']}"
+                    console.print(f"{info['id']} bucket {info['bucket']}{context}: {info['source']}, {info['seconds']:.2f} s", highlight=False, markup=False)
+                    console.file.flush()
 
             result = run_build(options, progress=report)
     except AotcError as e:

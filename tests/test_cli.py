@@ -161,3 +161,51 @@ def test_check_exits_1_when_tokens_differ(built, monkeypatch):
     assert r.exit_code == 1
     said = " ".join(r.output.split())
     assert "check prompt 0: 4 tokens differs after 0 tokens" in said and "tokens differ from eager" in said
+
+
+# A plugin backend: export's, but each compile after the first waits for the file $GATE.
+GATED = '''
+import os
+import time
+from pathlib import Path
+
+from aotc.backends.base import register_backend
+from aotc.backends.export import ExportBackend
+
+
+@register_backend
+class GatedBackend(ExportBackend):
+    name = "gated"
+    compiles = 0
+
+    def compile(self, program, specs, out_dir):
+        GatedBackend.compiles += 1
+        deadline = time.monotonic() + 60
+        while GatedBackend.compiles > 1 and not Path(os.environ["GATE"]).exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("nobody read the first artifact's line")
+            time.sleep(0.02)
+        return super().compile(program, specs, out_dir)
+'''
+
+
+def test_a_build_into_a_log_prints_each_artifact_as_it_finishes(tiny_dir, tmp_path):
+    """stdout not a terminal (a CI log): a plain line per artifact as it finishes. The second
+    compile waits until this test has read the first artifact's line from the pipe."""
+    import re
+
+    (tmp_path / "gated.py").write_text(GATED)
+    gate = tmp_path / "gate"
+    argv = [sys.executable, "-m", "aotc.cli", "build", str(tiny_dir), "--plugin", "gated", "--backend", "gated", "--buckets", "1",
+            "--prefill-chunk", "16", "--max-seq", "64", "--no-cache", "-o", str(tmp_path / "b")]  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "GATE": str(gate)}
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = re.compile(r"(\S+) bucket (\d+)( context \d+)?: uncached, \d+\.\d\d s")
+    first = p.stdout.readline()
+    gate.touch()
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and line.fullmatch(first.strip()), (first, rest, err)
+    done = [first.strip()] + [ln for ln in rest.splitlines() if line.fullmatch(ln)]
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert len(done) == sum(len(e["artifacts"]) for e in manifest["entries"]) == 3  # decode, prefill, head at bucket 1
+    assert "━" not in err  # no progress bars off a terminal

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
     from ..format import Manifest
 
-# progress(event, **info): "entry" (id, total) when a group of work starts, "done" (id, bucket) per item
+# progress(event, **info): "entry" (id, total) when a group of work starts, "done" (id, bucket; a
+# build's artifacts also context, source and seconds) per item
 Progress = Callable[..., None]
 
 

@@ -55,7 +55,7 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
             misses.append(k)
             continue
         built[k.id] = artifact(backend, _compilable(k), out_dir, cache, options.remote_cache)
-        progress("done", id=k.entry_id, bucket=k.bucket, context=k.variant.context)
+        _done(progress, built[k.id])
     if not misses:
         return built
     ctx = multiprocessing.get_context("spawn")
@@ -65,7 +65,7 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
         for future in as_completed(futures):
             k = futures[future]
             built[k.id] = future.result()
-            progress("done", id=k.entry_id, bucket=k.bucket, context=k.variant.context)
+            _done(progress, built[k.id])
     except BaseException:
         # Interrupted or failed: stop the compiles now rather than wait for them, each
         # worker with its whole process group (the C++ compilers it started).
@@ -78,6 +78,10 @@ def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedG
         raise
     pool.shutdown()
     return built
+
+
+def _done(progress: Progress, a: BuiltArtifact) -> None:
+    progress("done", id=a.entry_id, bucket=a.bucket, context=a.context, source=a.source, seconds=a.seconds)
 
 
 def _kill_group(child) -> None:
