@@ -394,11 +394,36 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
     write_atomic(Path(folder) / MANIFEST, encode(manifest))
 
 
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): read it by setting it, and put it back
+    os.umask(mask)
+    return mask
+
+
+def temp_folder(prefix: str, parent: Path) -> Path:
+    """tempfile.mkdtemp, with the mode a new folder gets (0777 less the umask): the folder
+    is renamed into place as a bundle, a model or a cache entry, which other users (a
+    service that runs what CI built) read where the umask lets them. mkdtemp makes 0700."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~umask())
+    return tmp
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that readers see the old one or the new one, never half."""
+    """Write a file so that readers see the old one or the new one, never half. Its mode is
+    a new file's (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -454,7 +479,7 @@ def bundle_writer(out: Path) -> Iterator[Path]:
         for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp = temp_folder(f".{out.name}.tmp-", out.parent)
         try:
             yield tmp
             old = None

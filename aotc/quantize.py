@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from torch import nn
 
 from . import quant
 from .errors import ConfigError, WeightsError
+from .format import temp_folder, umask
 from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
 
@@ -83,7 +83,7 @@ def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "k
     model = load_model(source, weights=False).model  # checks every header against config.json
     plan = _plan(model, checkpoint, fmt, head)
     result = Quantized(out, fmt, head=plan.head_words)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_folder(f".{out.name}.tmp-", out.parent)
     try:
         weight_map = _write_shards(checkpoint, plan, tmp, result)
         _copy_files(source, tmp)
@@ -203,6 +203,7 @@ def _write_shards(checkpoint: Checkpoint, plan: _Plan, tmp: Path, result: Quanti
                     result.bytes_in += tensor.numel() * tensor.element_size()
                     result.bytes_out += values.numel() * values.element_size() + scale.numel() * scale.element_size()
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file.name), metadata={"format": "pt"})
+        os.chmod(tmp / file.name, 0o666 & ~umask())  # safetensors writes 0600; a model folder is read by others where the umask lets them
         weight_map.update(dict.fromkeys(tensors, file.name))
     return weight_map
 

@@ -209,3 +209,24 @@ def test_a_build_into_a_log_prints_each_artifact_as_it_finishes(tiny_dir, tmp_pa
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert len(done) == sum(len(e["artifacts"]) for e in manifest["entries"]) == 3  # decode, prefill, head at bucket 1
     assert "━" not in err  # no progress bars off a terminal
+
+
+@pytest.mark.parametrize("mask, folder, file", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_written_files_follow_the_umask(tmp_path, mask, folder, file):
+    """A bundle, a model folder from init tiny and an aotc quantize output: a folder gets
+    0777 and a file 0666 less the umask (a CI user builds, a service user runs), as
+    mkdir and open make them; not mkdtemp's and mkstemp's 0700 and 0600."""
+    import os
+    import stat
+
+    before = os.umask(mask)
+    try:
+        model, bundle, quantized = tmp_path / "tiny", tmp_path / "bundle", tmp_path / "fp8"
+        assert invoke("init", "tiny", model, "--layers", 1).exit_code == 0
+        assert invoke("build", model, "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64, "-o", bundle).exit_code == 0
+        assert invoke("quantize", model, "-o", quantized, "--format", "fp8").exit_code == 0
+    finally:
+        os.umask(before)
+    for root in (model, bundle, quantized):
+        for path in [root, *root.rglob("*")]:
+            assert stat.S_IMODE(path.stat().st_mode) == (folder if path.is_dir() else file), (path, oct(path.stat().st_mode))

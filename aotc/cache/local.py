@@ -31,7 +31,7 @@ from typing import Callable
 from filelock import FileLock, Timeout
 
 from ..errors import AotcError
-from ..format import CompiledRecord, bad_file, decode, encode, write_atomic
+from ..format import CompiledRecord, bad_file, decode, encode, temp_folder, write_atomic
 
 ENV = "AOTC_CACHE_DIR"
 RECORD = "record.json"  # an entry's CompiledRecord, written last
@@ -156,7 +156,7 @@ class LocalCache:
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         # What a killed compile of this key left: the caller holds the key's lock, so no one else is writing it.
         self._remove_stale(key)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self.root / "tmp"))
+        tmp = temp_folder(f"{key[:16]}-", self.root / "tmp")
         try:
             record = make(tmp)
             if record is None:

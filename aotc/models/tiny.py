@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .checkpoint import scale_names
 from .corpus import CORPUS
 from ..errors import ConfigError
-from ..format import write_atomic
+from ..format import temp_folder, write_atomic
 from .registry import get_architecture
 
 DEFAULT_ARCH = "llama"
@@ -103,7 +102,7 @@ def write_model(
         raise ConfigError(f"--checkpoint-layout {layout}: expected one of {', '.join(LAYOUTS)}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_folder(f".{out.name}.tmp-", out.parent)
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(tokenizer.to_str())
