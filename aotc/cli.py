@@ -202,6 +202,7 @@ def build(
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: compile only this shard's artifacts into the cache; no bundle."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="BUNDLE: compile the pending artifacts of a neuron cross-build (needs neuronx-cc)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
+    force: bool = typer.Option(False, "--force", help="Without -o: replace the bundle at the default artifacts/<model name> even when it is of another model or backend."),
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .backends import get_backend_class
@@ -222,7 +223,7 @@ def build(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
-            modeling=modeling, tensor_parallel=tensor_parallel,
+            modeling=modeling, tensor_parallel=tensor_parallel, force=force,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         # Off a terminal rich's live bars render only at exit: a CI log (stdout to a file or a

@@ -230,3 +230,26 @@ def test_written_files_follow_the_umask(tmp_path, mask, folder, file):
     for root in (model, bundle, quantized):
         for path in [root, *root.rglob("*")]:
             assert stat.S_IMODE(path.stat().st_mode) == (folder if path.is_dir() else file), (path, oct(path.stat().st_mode))
+
+
+def test_the_default_out_replaces_only_a_bundle_of_the_same_model_and_backend(tmp_path, monkeypatch):
+    """artifacts/<name> is named after the model's folder alone: a build of another folder of
+    that name, or on another backend, is refused naming -o and --force; the same model and
+    backend replaces it, and --force replaces either."""
+    from aotc.format import read_manifest
+
+    monkeypatch.chdir(tmp_path)
+    first, other = tmp_path / "models" / "tiny", tmp_path / "elsewhere" / "tiny"
+    for m in (first, other):
+        assert invoke("init", "tiny", m, "--layers", 1).exit_code == 0
+    args = ["--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64]
+    assert invoke("build", first, "--backend", "export", *args).exit_code == 0
+    digest = read_manifest(tmp_path / "artifacts" / "tiny").digest()
+    r = runner.invoke(app, ["build", str(other), "--backend", "export", *map(str, args)], env={"COLUMNS": "400"})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"-o artifacts/tiny (the default, from the model's name) holds a bundle of {first} on export; this build is of {other} on export" in said, said
+    assert "Pass -o to write it elsewhere, or --force to replace that bundle" in said
+    assert read_manifest(tmp_path / "artifacts" / "tiny").digest() == digest  # untouched
+    assert invoke("build", first, "--backend", "export", *args).exit_code == 0  # the same model and backend
+    assert invoke("build", other, "--backend", "export", "--force", *args).exit_code == 0
+    assert read_manifest(tmp_path / "artifacts" / "tiny").model.source == str(other)

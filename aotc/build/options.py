@@ -96,11 +96,14 @@ class BuildOptions:
     modeling: str = "auto"
     # Ranks the graphs are split across (aotc.parallel): one SPMD graph per artifact for all.
     tensor_parallel: int = 1
+    # Replace what the default -o holds even when it is a bundle of another model or backend.
+    force: bool = False
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
-        if self.out is None:  # a Hub snapshot folder is named by its commit: use the model's name
+        defaulted = self.out is None
+        if defaulted:  # a Hub snapshot folder is named by its commit: use the model's name
             self.out = DEFAULT_ARTIFACTS / (self.hub.repo_id.split("/")[1] if self.hub else self.model_dir.resolve().name)
         self.out = Path(self.out)
         if self.max_seq is not None and self.max_seq <= 0:
@@ -132,6 +135,8 @@ class BuildOptions:
             self.backend, why = default_backend()
             if why:
                 self.backend_note = f"using the export backend: inductor is unavailable: {why}"
+        if defaulted and not self.force:
+            self._check_default_out()
         if self.tensor_parallel > 1 and not get_backend_class(self.backend).collectives_in_graph:
             able = [n for n in backend_names() if get_backend_class(n).collectives_in_graph]
             raise AotcError(
@@ -155,7 +160,7 @@ class BuildOptions:
             chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
             kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
-            tensor_parallel=manifest.parallel.tensor_parallel,
+            tensor_parallel=manifest.parallel.tensor_parallel, force=True,  # nothing is written: no -o to check
         )  # fmt: skip
 
     def resolve_contexts(self) -> None:
@@ -186,6 +191,26 @@ class BuildOptions:
         if why:
             raise AotcError(f"backend {self.backend!r} cannot compile here: {why}")
         return backend
+
+
+    def _check_default_out(self) -> None:
+        """The default -o is named after the model's folder or Hub name alone, which two models
+        (models/tiny and me/tiny) or two backends of one model share: it replaces only a
+        bundle of this model and backend without --force."""
+        from ..format import read_manifest
+
+        try:
+            held = read_manifest(self.out)
+        except Exception:  # nothing there, or not a readable bundle: check_replaceable decides
+            return
+        mine = f"{self.hub.repo_id} ({self.model_dir})" if self.hub else str(self.model_dir.resolve())
+        theirs = f"{held.model.hub.repo_id} ({held.model.source})" if held.model.hub else held.model.source
+        if (held.model.hub.repo_id if held.model.hub else held.model.source) == (self.hub.repo_id if self.hub else str(self.model_dir.resolve())) and held.backend.name == self.backend:
+            return
+        raise AotcError(
+            f"-o {self.out} (the default, from the model's name) holds a bundle of {theirs} on {held.backend.name}; this build "
+            f"is of {mine} on {self.backend}. Pass -o to write it elsewhere, or --force to replace that bundle"
+        )
 
 
 def default_jobs(tasks: int, backend: Backend) -> int:
