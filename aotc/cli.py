@@ -72,7 +72,7 @@ def _disk_error(e: OSError) -> AotcError:
 
 def _fail(e: AotcError) -> None:
     # soft_wrap: the terminal wraps the line, so paths and commands in it stay whole to copy.
-    err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -103,7 +103,7 @@ def init_tiny(
         _fail(e)
     except OSError as e:  # a full or read-only disk: write_tiny writes a temporary folder, renamed when whole
         _fail(_disk_error(e))
-    console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}")
+    console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}", markup=False)
 
 
 @app.command()
@@ -130,9 +130,9 @@ def quantize(
         _fail(_disk_error(e))
     counts = {f: sum(1 for v in done.tensors.values() if v == f) for f in ("fp8", "fp4")}
     what = " and ".join(f"{n} tensors to {f}" for f, n in counts.items() if n)
-    console.print(f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False)
-    console.print(f"LM head: {done.head}", highlight=False)
-    console.print(f"wrote {done.out}", highlight=False)
+    console.print(f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False, markup=False)
+    console.print(f"LM head: {done.head}", highlight=False, markup=False)
+    console.print(f"wrote {done.out}", highlight=False, markup=False)
 
 
 def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, **more):
@@ -151,7 +151,7 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
         **more,
     )
     if options.backend_note:
-        err_console.print(f"[yellow]{options.backend_note}[/]", highlight=False)
+        err_console.print(f"[yellow]{escape(options.backend_note)}[/]", highlight=False)
     return options
 
 
@@ -249,10 +249,10 @@ def build(
         _fail(_disk_error(e))
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the bundle writer has removed its temporary folder
         where = "nothing was written" if options is None else f"{options.out or 'the cache'} is as it was before this build"
-        err_console.print(f"interrupted: {where}", highlight=False)
+        err_console.print(f"interrupted: {escape(where)}", highlight=False)
         raise typer.Exit(130) from None
     where = result.out if result.out else f"cache {result.cache_dir} (shard {shard})"
-    table = Table(title=f"{where}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
+    table = Table(title=f"{escape(str(where))}  ({options.backend}, {result.jobs} job{'s' if result.jobs > 1 else ''})")
     for col in ("entry", "bucket", "context", "from", "seconds", "size"):
         table.add_column(col, justify="left" if col in ("entry", "from") else "right")
     for a in result.artifacts:
@@ -263,15 +263,16 @@ def build(
         if v.attributes:  # one class's instances split into variants: say which and why
             attrs = ", ".join(f"{k}={val!r}" for k, val in v.attributes.items())
             paths = [p for p, _ in v.instances]
-            console.print(f"variant {v.entry_id} ({attrs}): {len(paths)} modules, {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}", highlight=False)
+            console.print(f"variant {v.entry_id} ({escape(attrs)}): {len(paths)} modules, {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}", highlight=False)
     if result.graphs_traced:
         layers = len({(path, v.spec.method) for v in result.variants for path, _ in v.instances})  # context buckets: one instance
         console.print(
             f"traced {result.graphs_traced} graphs for {len(entries)} entries serving {layers} module instances "
-            f"in {result.seconds:.1f} s -> {where}"
+            f"in {result.seconds:.1f} s -> {where}",
+            markup=False,
         )
     else:
-        console.print(f"assembled {len(result.artifacts)} cached artifacts without tracing in {result.seconds:.1f} s -> {where}")
+        console.print(f"assembled {len(result.artifacts)} cached artifacts without tracing in {result.seconds:.1f} s -> {where}", markup=False)
     if result.manifest is not None:
         # A bundle is code: pin this to run exactly what was built (aotc run --expect-digest).
         console.print(f"bundle digest {result.manifest.digest()}", highlight=False)
@@ -279,7 +280,7 @@ def build(
         line = f"cache: {result.count('cache')} hits, {result.count('compiled')} misses compiled"
         if remote_cache:
             line += f", {result.count('remote')} from {remote_cache}"
-        console.print(line + f" ({result.cache_dir})")
+        console.print(line + f" ({result.cache_dir})", markup=False)
     pending = [a for a in result.artifacts if a.record.pending]
     if pending:
         console.print(
@@ -290,11 +291,11 @@ def build(
     kind = get_backend_class(options.backend)
     _print_lint(options.backend, [f for a in result.artifacts for f in kind.findings(a.record.extra)], f"aotc verify {result.out} --json")
     for note in result.notes:
-        console.print(f"[yellow]warning:[/] {note}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     for note in result.cache_notes:
-        console.print(f"[yellow]cache:[/] {note}", highlight=False)
+        console.print(f"[yellow]cache:[/] {escape(note)}", highlight=False)
     if result.remote_errors:
-        console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {result.remote_errors[0]}", highlight=False)
+        console.print(f"[yellow]remote cache unavailable, build went on without it:[/] {escape(result.remote_errors[0])}", highlight=False)
 
 
 def _resume(bundle: Path, jobs: Optional[int]) -> None:
@@ -305,9 +306,9 @@ def _resume(bundle: Path, jobs: Optional[int]) -> None:
     except AotcError as e:
         _fail(e)
     if not done:
-        console.print(f"{bundle}: nothing pending")
+        console.print(f"{bundle}: nothing pending", markup=False)
         return
-    console.print(f"compiled {len(done)} pending artifacts: {', '.join(done)}; {bundle} is ready to run")
+    console.print(f"compiled {len(done)} pending artifacts: {', '.join(done)}; {bundle} is ready to run", markup=False)
 
 
 cache_app = typer.Typer(help="The compile cache.", no_args_is_help=True)
@@ -349,7 +350,7 @@ def cache_ls(cache_dir: Optional[Path] = CACHE_DIR):
         cache = LocalCache(cache_dir)
     except AotcError as e:
         _fail(e)
-    table = Table(title=str(cache.root))
+    table = Table(title=escape(str(cache.root)))
     for col in ("key", "inputs", "outputs", "files", "size", "last used"):
         table.add_column(col)
     total = 0
@@ -519,7 +520,7 @@ def _launch_ranks(world_size: int, arguments: dict) -> None:
 
     code, why = launch("aotc.cli:run_rank", arguments, world_size)
     if why:
-        err_console.print(f"[red]error:[/] {why}; ended the other ranks", highlight=False)
+        err_console.print(f"[red]error:[/] {escape(why)}; ended the other ranks", highlight=False)
     raise typer.Exit(code)
 
 
@@ -575,7 +576,7 @@ class _Stream:
 
     def __enter__(self):
         for note in self.notes:
-            console.print(f"[yellow]note:[/] {note}", highlight=False)
+            console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         if len(self.prompts) == 1:
             console.print(self._header(0), highlight=False)
             console.out("  -> ", end="", highlight=False)
@@ -660,7 +661,7 @@ def verify(
         data["passed"] = report.passed
         print(json.dumps(data))
     else:
-        table = Table(title=f"{report.bundle}  ({report.backend}, weights: {report.weights})")
+        table = Table(title=f"{escape(str(report.bundle))}  ({report.backend}, weights: {escape(str(report.weights))})")
         for col in ("entry", "bucket", "context", "rows", "max abs", "max rel", "error", "allowed", "reference", "result"):
             table.add_column(col, justify="left" if col in ("entry", "reference", "result") else "right", no_wrap=col == "entry")
         for a in report.artifacts:
@@ -669,7 +670,7 @@ def verify(
         console.print(table)
         for a in report.artifacts:
             for problem in a.problems:
-                console.print(f"[red]{artifact_label(a.entry, a.bucket, a.context)}:[/] {problem}", highlight=False)
+                console.print(f"[red]{artifact_label(a.entry, a.bucket, a.context)}:[/] {escape(problem)}", highlight=False)
         lint = _print_lint(report.backend, [f for a in report.artifacts for f in a.lint], "--json")
         failed = sum(not a.passed for a in report.artifacts)
         precision = report.artifacts[0].precision if report.artifacts else "float32"
@@ -709,10 +710,10 @@ def bisect(
     if as_json:
         print(json.dumps(dataclasses.asdict(result)))
         return
-    console.print(f"{artifact_label(result.entry, result.bucket, result.context)} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):", highlight=False)
+    console.print(f"{artifact_label(result.entry, result.bucket, result.context)} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):", highlight=False, markup=False)
     for node, source in zip(result.nodes, result.sources):
-        console.print(f"  {node}    {source}", highlight=False)
-    console.print(f"minimal HLO: {result.hlo}\nlog: {result.log}\nreproduce: {result.command}\nwork folder: {result.work}", highlight=False)
+        console.print(f"  {node}    {source}", highlight=False, markup=False)
+    console.print(f"minimal HLO: {result.hlo}\nlog: {result.log}\nreproduce: {result.command}\nwork folder: {result.work}", highlight=False, markup=False)
 
 
 @app.command()
@@ -762,7 +763,7 @@ def _print_lint(backend: str, findings: list[str], more: str, limit: int = 10) -
     """A backend's lint findings (Backend.findings) as warnings, each once, the first `limit` of them."""
     lint = sorted(set(findings))
     for finding in lint[:limit]:
-        console.print(f"[yellow]{backend} lint:[/] {finding}", highlight=False)
+        console.print(f"[yellow]{backend} lint:[/] {escape(finding)}", highlight=False)
     if len(lint) > limit:
         console.print(f"[yellow]{backend} lint:[/] {len(lint) - limit} more ({more} lists them)", highlight=False)
     return lint
@@ -822,7 +823,7 @@ def _report(prompts, done, backend, source) -> dict:
 def _print_report(report: dict, notes: list[str]) -> None:
     """What follows the streamed text: notes on how it ended, timings, and the check."""
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     t = report["timings"]
     load = "" if report["backend"] == "eager" else f"bundle load {t['bundle_load_s'] * 1e3:.0f} ms, "  # --eager loads no bundle
     console.print(
@@ -860,7 +861,7 @@ def _print_report(report: dict, notes: list[str]) -> None:
 
 def _print_algorithms(algorithms: list[dict], what: str) -> None:
     for a in algorithms:
-        console.print(f"{what} two algorithms in {a['cls']} ({a['modules']} modules): eager {a['eager']}; compiled {a['compiled']}", highlight=False)
+        console.print(f"{what} two algorithms in {a['cls']} ({a['modules']} modules): eager {a['eager']}; compiled {a['compiled']}", highlight=False, markup=False)
 
 
 def _size(n: int) -> str:

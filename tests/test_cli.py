@@ -253,3 +253,15 @@ def test_the_default_out_replaces_only_a_bundle_of_the_same_model_and_backend(tm
     assert invoke("build", first, "--backend", "export", *args).exit_code == 0  # the same model and backend
     assert invoke("build", other, "--backend", "export", "--force", *args).exit_code == 0
     assert read_manifest(tmp_path / "artifacts" / "tiny").model.source == str(other)
+
+
+def test_messages_with_square_brackets_print_whole(tmp_path):
+    """rich reads [word] as a style tag: the unsupported-architecture error printed
+    "installed (aotc), every decoder-only model" for "(aotc[hf])"."""
+    model = tmp_path / "[odd] name"
+    assert invoke("init", "tiny", model, "--layers", 1).exit_code == 0
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]}))
+    r = runner.invoke(app, ["build", str(model), "--backend", "export", "-o", str(tmp_path / "b")], env={"COLUMNS": "400"})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "installed (aotc[hf]), every decoder-only model transformers has" in said and f"{model}/config.json" in said, said
