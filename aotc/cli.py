@@ -155,7 +155,6 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
     return options
 
 
-MODEL_DIR = typer.Argument(..., help="Hugging Face model folder (config.json, *.safetensors).")
 BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma-separated.")
 PREFILL_CHUNK = typer.Option(
     "16,64", "--prefill-chunk",
@@ -317,7 +316,7 @@ app.add_typer(cache_app, name="cache")
 
 @cache_app.command("key")
 def cache_key_command(
-    model_dir: Path = MODEL_DIR,
+    model_dir: str = typer.Argument(..., help="What aotc build takes: a model folder, or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
@@ -329,12 +328,20 @@ def cache_key_command(
     kv_cache_dtype: str = KV_CACHE_DTYPE,
     modeling: str = MODELING,
     tensor_parallel: int = TENSOR_PARALLEL,
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
 ):
-    """Print one key for a whole build, without compiling (a CI cache key)."""
+    """Print one key for a whole build, without compiling (a CI cache key): the same
+    arguments as aotc build, so that a CI job's key step and build step take one."""
     from .build import build_key
+    from .models.hub import resolve_model
 
     try:
-        print(build_key(_build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets, kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel)))
+        model_path, hub = resolve_model(model_dir, revision)
+        options = _build_options(
+            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
+            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, hub=hub, force=True,  # writes nothing
+        )
+        print(build_key(options))
     except AotcError as e:
         _fail(e)
 

@@ -80,6 +80,11 @@ def test_hub_id_resolves_through_the_cache_offline(tiny_dir, tmp_path):
     assert_check_report(json.loads(r.stdout), "export")
     r = aotc("run", bundle, "--model", "acme/tiny-chat", "--revision", COMMIT, "--json", "--prompt", "Hello", "--max-new-tokens", 4, env=env)
     assert r.returncode == 0, r.stderr
+    # A CI job's key step takes what its build step takes: the Hub id, the key of its snapshot's graphs.
+    key_args = ["--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64"]
+    r = aotc("cache", "key", "acme/tiny-chat", "--revision", COMMIT, *key_args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == runner.invoke(app, ["cache", "key", str(snapshot), *key_args]).output.strip()
 
 
 def test_unknown_hub_id_offline_says_what_was_tried(tmp_path):
