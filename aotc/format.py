@@ -461,21 +461,31 @@ def check_replaceable(out: Path, option: str = "-o") -> None:
 
 
 @contextlib.contextmanager
-def bundle_writer(out: Path) -> Iterator[Path]:
+def bundle_writer(out: Path, locks: Path | None = None) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; on success it replaces `out`.
 
     The caller writes artifacts and the manifest into the yielded folder. If
     anything fails, the temporary folder is removed and `out` is untouched, so
     a bundle on disk is always complete. `out` must be replaceable
-    (check_replaceable). Writers to one `out` take turns (a lock file beside it),
-    so what a killed writer left (`.NAME.tmp-*`, `.NAME.old-*`) is removed by the next.
-    """
+    (check_replaceable). Writers to one `out` take turns, so what a killed writer left
+    (`.NAME.tmp-*`, `.NAME.old-*`) is removed by the next. Their lock file is in `locks`
+    (the compile cache's locks/ folder), named after out's resolved path: filelock never
+    deletes a lock file (deleting one after its release races), and one beside `out`
+    would stay among the user's bundles. Where `locks` cannot be made (a read-only
+    cache), or is None, the lock is beside `out`."""
     from filelock import FileLock
 
     out = Path(out)
     check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f".{out.name}.lock")):
+    lock = out.parent / f".{out.name}.lock"
+    if locks is not None:
+        try:
+            Path(locks).mkdir(parents=True, exist_ok=True)
+            lock = Path(locks) / f"bundle-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:32]}.lock"
+        except OSError:
+            pass
+    with FileLock(str(lock)):
         for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)

@@ -253,6 +253,8 @@ def test_the_default_out_replaces_only_a_bundle_of_the_same_model_and_backend(tm
     assert invoke("build", first, "--backend", "export", *args).exit_code == 0  # the same model and backend
     assert invoke("build", other, "--backend", "export", "--force", *args).exit_code == 0
     assert read_manifest(tmp_path / "artifacts" / "tiny").model.source == str(other)
+    # The writers' lock is in the compile cache's locks/ (filelock never deletes one), not among the bundles.
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == ["tiny"]
 
 
 def test_messages_with_square_brackets_print_whole(tmp_path):

@@ -114,7 +114,7 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
         built = obtain_artifacts(options, backend, keyed, None, cache, jobs, progress)
         artifacts = [built[k.id] for k in keyed]
         return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root)
-    with bundle_writer(options.out) as tmp:
+    with bundle_writer(options.out, bundle_locks(options)) as tmp:
         built = obtain_artifacts(options, backend, keyed, tmp, cache, jobs, progress)
         manifest = assemble_manifest(p, built)
         write_manifest(tmp, manifest)
@@ -166,7 +166,7 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend:
     manifest, entries = found
     loaded = load_model(options.model_dir, weights=False, kv_cache=manifest.model.kv_cache, modeling=options.modeling)
     artifacts = []
-    with bundle_writer(options.out) as tmp:
+    with bundle_writer(options.out, bundle_locks(options)) as tmp:
         for e, art in manifest.artifacts():
             entry = entries[art.cache_key]
             copy_files(entry.dir, tmp / art.dir, art.files)
@@ -183,6 +183,18 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend:
         manifest.model = model_record(options, loaded)  # this folder's, not the recipe's
         write_manifest(tmp, manifest)
     return BuildResult(options.out, manifest, artifacts, 0, [], time.perf_counter() - t0, 1, cache.root)
+
+
+def bundle_locks(options: BuildOptions) -> Path | None:
+    """Where a bundle's writers take turns: the compile cache's locks/ folder, where builds
+    can write to that cache (a folder aotc does not own, or cannot write, is left alone)."""
+    from ..cache.local import LocalCache, default_root
+
+    try:
+        cache = LocalCache(Path(options.cache_dir or default_root()))
+    except AotcError:  # --cache-dir is a file: the lock stays beside the bundle
+        return None
+    return None if cache.writable() else cache.root / "locks"
 
 
 def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[str]:
