@@ -106,7 +106,7 @@ def init_tiny(
     console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}", markup=False)
 
 
-@app.command()
+@app.command(short_help="Write a low-precision (fp8, fp4) checkpoint of a model folder.")
 def quantize(
     model: str = typer.Argument(..., help="A bf16 or fp32 model folder, or a Hugging Face Hub id (ORG/NAME) in the local cache."),
     out: Path = typer.Option(..., "-o", "--out", help="Folder to write: new or empty, outside MODEL."),
@@ -170,7 +170,7 @@ BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
 COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
 KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8, each group scaled by its largest magnitude (float32 scales), packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224) | fp8-values (llama family): values so, keys in bf16, which keep answers that fp8 keys lose.")
-MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc[hf]).")
+MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc\\[hf]).")
 TENSOR_PARALLEL = typer.Option(
     1, "--tensor-parallel", min=1,
     help="Ranks to split the model across (llama family; export and inductor backends): one graph per entry and bucket serves every rank, with the collectives inside it; each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
@@ -178,7 +178,7 @@ TENSOR_PARALLEL = typer.Option(
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
-@app.command()
+@app.command(short_help="Trace and compile a model's entries, once per bucket, into a bundle.")
 def build(
     model_dir: Optional[str] = typer.Argument(None, help="Hugging Face model folder (config.json, *.safetensors), or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
     buckets: str = BUCKETS,
@@ -386,7 +386,7 @@ def cache_prune(
     console.print(f"removed {removed} entries, freed {_size(freed)}")
 
 
-@app.command()
+@app.command(short_help="Generate through a bundle (greedy); --check compares with eager.")
 def run(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build (with --eager: a model folder or Hub id ORG/NAME)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or Hugging Face Hub id (ORG/NAME) with the weights (default: the one the bundle was built from)."),
@@ -395,7 +395,7 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
-    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule. float32 bundles: every token matches eager (a token at a near-tie is reported, not failed) and the logits agree within 1e-3 + 1e-3 x |eager logit| (x5 on xla and neuron). Lower precision (bf16 or fp8 weights, fp8 caches): the bundle and eager code of its precision are both measured against float32 eager from the same stored weights, along the bundle's tokens; its error max |diff| / (1 + |reference|) may be at most max(2 x eager's, the float32 tolerance), and each token is the reference's up to a near-tie. Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
+    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (README, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
@@ -632,7 +632,7 @@ class _Stream:
         self.event(TokenEvent(i, sequence.new_ids[-1], self.deltas.step(i, sequence.new_ids, False)))
 
 
-@app.command()
+@app.command(short_help="Run every artifact against eager, on the model's own inputs.")
 def verify(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."),
@@ -688,7 +688,7 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help="Shrink a compiler failure to the smallest failing run of nodes.")
 def bisect(
     path: Path = typer.Argument(..., help="Bundle folder (xla or neuron) whose artifact fails to compile."),
     entry: str = typer.Option(..., "--entry", help="Entry id, as aotc inspect lists it (e.g. LlamaDecoderLayer.decode)."),
@@ -723,7 +723,7 @@ def bisect(
     console.print(f"minimal HLO: {result.hlo}\nlog: {result.log}\nreproduce: {result.command}\nwork folder: {result.work}", highlight=False, markup=False)
 
 
-@app.command()
+@app.command(short_help="Show a bundle's manifest, or one entry's artifacts.")
 def inspect(
     bundle: Path = typer.Argument(..., help="Bundle folder."),
     entry: Optional[str] = typer.Option(None, "--entry", help="Show this entry's artifacts only."),
@@ -875,6 +875,32 @@ def _size(n: int) -> str:
     from .cache import format_size
 
     return format_size(n)
+
+
+def _name_value_types(*typers: typer.Typer) -> None:
+    """--help shows each option's value as a word (N, TEXT, PATH), not typer's <int> and
+    <str>, and a flag without one (typer shows <bool>). Where an option names its own
+    metavar, that stays."""
+    import inspect
+    import typing
+
+    words = {bool: "", int: "N", float: "X", str: "TEXT", Path: "PATH"}
+    for t in typers:
+        callbacks = [c.callback for c in t.registered_commands] + ([t.registered_callback.callback] if t.registered_callback else [])
+        for callback in callbacks:
+            hints = typing.get_type_hints(callback)
+            for name, param in inspect.signature(callback).parameters.items():
+                info = param.default
+                if not isinstance(info, typer.models.OptionInfo) or info.metavar is not None:
+                    continue
+                kind = hints.get(name)
+                args = [a for a in typing.get_args(kind) if a is not type(None)]
+                if typing.get_origin(kind) in (typing.Union, list) and args:
+                    kind = args[0]  # Optional[X], list[X]
+                info.metavar = words.get(kind)
+
+
+_name_value_types(app, init_app, cache_app)
 
 
 def main() -> None:  # pragma: no cover

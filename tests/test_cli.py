@@ -267,3 +267,19 @@ def test_messages_with_square_brackets_print_whole(tmp_path):
     r = runner.invoke(app, ["build", str(model), "--backend", "export", "-o", str(tmp_path / "b")], env={"COLUMNS": "400"})
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and "installed (aotc[hf]), every decoder-only model transformers has" in said and f"{model}/config.json" in said, said
+
+
+def test_help_lists_a_line_per_command_and_names_values_in_words():
+    """The command list is one line per command (run's and verify's whole docstrings were
+    45 ragged lines); options show N, TEXT or PATH for their value, and flags none (typer
+    showed <int>, <str>, <bool>)."""
+    import re
+
+    said = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    commands = [line for line in said.split("Commands")[1].splitlines() if line.startswith("│")]
+    names = [line.split()[1] for line in commands]
+    assert names == ["quantize", "build", "run", "verify", "bisect", "inspect", "init", "cache"], commands
+    for command in ([], ["build"], ["run"], ["verify"], ["bisect"], ["inspect"], ["quantize"], ["cache", "key"], ["init", "tiny"]):
+        options = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output.split("Options")[1]
+        shown = re.findall(r"│ (--[\w-]+)[ ,\w-]*?\s+(<[\w\[\]]+>)", options)
+        assert [o for o in shown if o[0] != "--help"] == [], (command, shown)
