@@ -158,3 +158,27 @@ def render_messages(model_dir: Path, messages: list[dict]) -> str:
     finally:
         _deadline.at = float("inf")
     return "".join(out)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def read_messages(path: Path) -> list[dict]:
+    """A conversation from a JSON file: the OpenAI message list, [{"role": "system" |
+    "user" | "assistant", "content": TEXT}, ...] (aotc run --messages)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--messages {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--messages {path}: not JSON ({e}); expected a list of {{\"role\": ..., \"content\": ...}} messages") from None
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"--messages {path}: expected a non-empty JSON list of messages, got {type(data).__name__}")
+    for i, m in enumerate(data):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ConfigError(
+                f"--messages {path}: message {i} is {json.dumps(m)[:80]}; expected {{\"role\": one of {', '.join(ROLES)}, "
+                '"content": text}'
+            )
+    return data

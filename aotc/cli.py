@@ -393,6 +393,7 @@ def run(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of --model ORG/NAME."),
     prompt: list[str] = typer.Option([], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128, cut to fit the bundle)."),
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
+    messages: list[Path] = typer.Option([], "--messages", show_default=False, help='FILE.json: a conversation, as the OpenAI message list ([{"role": "system", "content": ...}, {"role": "user", ...}, ...]), sent through the chat template as one prompt; repeat for a batch (after the --prompt ones).'),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
     check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (README, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
@@ -437,13 +438,19 @@ def run(
             model_dir, defaults = session.model_dir, session.defaults
         new_tokens = max_new_tokens or defaults.max_new_tokens
         tokenizer = (session and session.tokenizer) or _tokenizer(model_dir)  # none: the command's own message
-        asked = prompt or list(DEFAULT_PROMPTS)
+        asked = prompt or ([] if messages else list(DEFAULT_PROMPTS))
         texts = asked
         if chat:
             from .chat import render_user_turn
 
             texts = [render_user_turn(model_dir, t) for t in asked]
         prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
+        if messages:
+            from .chat import read_messages, render_messages
+
+            conversations = [read_messages(m) for m in messages]
+            asked = asked + [c[-1]["content"] for c in conversations]  # shown as its last message
+            prompts += _encode(tokenizer, [render_messages(model_dir, c) for c in conversations], special=False)
         notes = []
         if session is None:
             # The bundle path's checks, for eager: the model's positions, and memory for the caches.
@@ -461,7 +468,7 @@ def run(
             max_seq = b.max_seq
             if max_batch is not None and max_batch > b.max_batch:
                 raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
-            if not prompt:
+            if not prompt and not messages:
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
         rank = 0 if session is None else session.rank
@@ -504,8 +511,8 @@ def run(
 
 def _rank_arguments(values: dict) -> dict:
     """aotc run's own arguments, as the rank entry point (run_rank) takes them again."""
-    names = ("model", "revision", "prompt", "chat", "max_new_tokens", "max_batch", "check", "eager", "plugin", "as_json", "threads", "expect_digest")
-    return {"path": str(values["path"]), **{n: values[n] for n in names}}
+    names = ("model", "revision", "prompt", "chat", "messages", "max_new_tokens", "max_batch", "check", "eager", "plugin", "as_json", "threads", "expect_digest")
+    return {"path": str(values["path"]), **{n: values[n] for n in names}, "messages": [str(m) for m in values["messages"]]}
 
 
 def run_rank(**arguments) -> int:
@@ -515,7 +522,7 @@ def run_rank(**arguments) -> int:
 
     _options(verbose=False)  # as the command line would: --verbose reaches the ranks as VERBOSE_ENV
     try:
-        run(**{**arguments, "path": Path(arguments["path"])})
+        run(**{**arguments, "path": Path(arguments["path"]), "messages": [Path(m) for m in arguments["messages"]]})
     except click.exceptions.Exit as e:
         return e.exit_code
     return 0

@@ -62,3 +62,22 @@ def test_a_streamed_prompt_prints_no_stop_token(tiny_dir, capsys):
             stream.token(0, seq)
     out = capsys.readouterr().out
     assert out.rstrip().endswith(tokenizer.decode(words)) and "</s>" not in out
+
+
+def test_messages_files_are_conversations_through_the_chat_template(tiny_bundle, tiny_dir, tmp_path):
+    """--messages FILE.json: the OpenAI message list (a system prompt, earlier turns), one
+    prompt each, rendered as transformers' apply_chat_template renders it; after the
+    --prompt ones. A file that is not such a list is refused naming it and the message."""
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    r = runner.invoke(app, ["run", str(tiny_bundle.out), "--prompt", "Hello", "--messages", str(tmp_path / "chat.json"), "--max-new-tokens", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    expected = AutoTokenizer.from_pretrained(tiny_dir).apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    assert [p["prompt"] for p in report["prompts"]] == ["Hello", "Bye"] and report["prompts"][1]["prompt_ids"] == expected
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}]))
+    r = runner.invoke(app, ["run", str(tiny_bundle.out), "--messages", str(tmp_path / "bad.json")], env={"COLUMNS": "400"})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"--messages {tmp_path / 'bad.json'}: message 1 is" in said and "one of system, user, assistant" in said, said
