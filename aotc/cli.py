@@ -347,28 +347,38 @@ def cache_key_command(
 
 
 @cache_app.command("ls")
-def cache_ls(cache_dir: Optional[Path] = CACHE_DIR):
-    """List the cached artifacts."""
+def cache_ls(
+    cache_dir: Optional[Path] = CACHE_DIR,
+    filter_: Optional[str] = typer.Option(None, "--filter", help="Only the entries whose model, entry or backend contains this text (e.g. a model name, LlamaDecoderLayer.decode, inductor)."),
+):
+    """List the cached artifacts: what each was compiled for (model, entry and bucket,
+    backend, from the finished builds' recipes), its size and when it was last used."""
     import datetime
 
     from .cache import RECORD, LocalCache
+    from .cache.recipes import served_by
 
     try:
         cache = LocalCache(cache_dir)
     except AotcError as e:
         _fail(e)
+    served = served_by(cache)
     table = Table(title=escape(str(cache.root)))
-    for col in ("key", "inputs", "outputs", "files", "size", "last used"):
+    for col in ("key", "model", "entry", "backend", "files", "size", "last used"):
         table.add_column(col)
     total = 0
     for e in sorted(cache.entries(), key=lambda e: -(e.dir / RECORD).stat().st_mtime):
+        uses = sorted(served.get(e.key, ())) or [("", "(no finished build)", "")]
+        if filter_ is not None and not any(filter_ in part for use in uses for part in use):
+            continue
         size = e.size
         total += size
         used = datetime.datetime.fromtimestamp((e.dir / RECORD).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
-        outs = " ".join("x".join(map(str, o.shape)) for o in e.record.outputs)
-        table.add_row(e.key[:16], str(len(e.record.inputs)), outs, ", ".join(e.record.files), _size(size), used)
+        more = f" and {len(uses) - 1} more" if len(uses) > 1 else ""
+        model, entry, backend = (escape(part) for part in uses[0])
+        table.add_row(e.key[:16], model, entry + more, backend, escape(", ".join(e.record.files)), _size(size), used)
     console.print(table)
-    console.print(f"{len(table.rows)} entries, {_size(total)}")
+    console.print(f"{len(table.rows)} entries, {_size(total)}" + ("" if filter_ is None else f" matching {filter_!r}"), markup=False)
 
 
 @cache_app.command("prune")

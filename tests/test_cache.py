@@ -188,6 +188,13 @@ def test_cache_cli_key_ls_prune_and_require_cache(tiny_dir, tmp_path):
 
     r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache)], env={"COLUMNS": "200"})
     assert "5 entries" in r.output and "program.pt2" in r.output
+    # Each entry says what it was compiled for (the finished build's recipe), and --filter picks.
+    rows = [line for line in r.output.splitlines() if "program.pt2" in line]
+    assert all(tiny_dir.name in row and "export" in row for row in rows) and sum("LlamaDecoderLayer.decode bucket" in row for row in rows) == 2, rows
+    r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache), "--filter", "LMHead.forward"], env={"COLUMNS": "200"})
+    assert "2 entries" in r.output and "LlamaDecoderLayer" not in r.output, r.output
+    r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache), "--filter", "inductor"], env={"COLUMNS": "200"})
+    assert "0 entries" in r.output
     r = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)])
     assert r.exit_code == 0 and "removed 5 entries" in r.output
     assert LocalCache(cache).entries() == []

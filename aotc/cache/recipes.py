@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..format import Manifest, artifact_dir, encode, is_file_name, parse_manifest, write_atomic
+from ..format import Manifest, artifact_dir, artifact_label, encode, is_file_name, parse_manifest, write_atomic
 from .local import CacheError, Entry, LocalCache
 
 
@@ -47,3 +47,21 @@ def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Ent
             return None  # pruned since: build the normal way
         entries[art.cache_key] = entry
     return manifest, entries
+
+
+def served_by(cache: LocalCache) -> dict[str, set[tuple[str, str, str]]]:
+    """What each cache key was compiled for, as the finished builds' recipes record it:
+    key -> {(model: its Hub id or folder name, artifact label, backend)}. A corrupt recipe
+    is left out; a key no finished build used (a --shard build, a killed one) has none."""
+    served: dict[str, set[tuple[str, str, str]]] = {}
+    if not cache.made_by_aotc():
+        return served
+    for file in sorted((cache.root / "builds").glob("*.json")):
+        try:
+            manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
+        except (CacheError, OSError):
+            continue
+        model = manifest.model.hub.repo_id if manifest.model.hub else Path(manifest.model.source).name
+        for e, art in manifest.artifacts():
+            served.setdefault(art.cache_key, set()).add((model, artifact_label(e.id, art.bucket, art.context), manifest.backend.name))
+    return served
