@@ -4,7 +4,7 @@ The public API for models: `entry` marks a method as a compiled entry,
 `register_architecture` maps config.json to a model class, `CausalLM` is the
 base class of models, `Derived` gives compiled graphs weights in another layout
 than the checkpoint's, read by a module's `compiled_forward` (aotc.layout); see
-the README, "Bring your own model".
+docs/models.md, "Bring your own model".
 
 The public API for running a bundle: `Session.open(bundle)`, then
 `session.generate(prompts)` (Completions; `stream=True`: TokenEvents); see

@@ -76,7 +76,7 @@ def _fail(e: AotcError) -> None:
     raise typer.Exit(2)
 
 
-PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture or a backend (repeatable); see README, Bring your own model.")
+PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture or a backend (repeatable); see docs/models.md, Bring your own model.")
 
 
 @init_app.command("tiny")
@@ -115,7 +115,7 @@ def quantize(
     revision: Optional[str] = typer.Option(None, "--revision", help="With a Hub id: a branch, tag or commit."),
     plugin: list[str] = PLUGIN,
 ):
-    """Write a low-precision checkpoint of a model folder, in the formats aotc builds from (see README, Low-precision weights)."""
+    """Write a low-precision checkpoint of a model folder, in the formats aotc builds from (see docs/low-precision.md)."""
     from .models.hub import resolve_model
     from .plugins import load_plugins
     from .quantize import quantize_model
@@ -406,7 +406,7 @@ def run(
     messages: list[Path] = typer.Option([], "--messages", show_default=False, help='FILE.json: a conversation, as the OpenAI message list ([{"role": "system", "content": ...}, {"role": "user", ...}, ...]), sent through the chat template as one prompt; repeat for a batch (after the --prompt ones).'),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
-    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (README, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
+    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (docs/verify.md, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),

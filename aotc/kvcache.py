@@ -11,7 +11,7 @@ split_dtype_regions), and the runtime allocates the regions apart
 
 `--kv-cache-dtype fp8` asks for such caches (`KvCacheRecord` in the
 manifest); `fp8-values` (llama family) packs the values so and keeps the keys
-a plain bf16 cache, since fp8 keys lose a real model's answers (README).
+a plain bf16 cache, since fp8 keys lose a real model's answers (docs/low-precision.md).
 Values are quantized to at most the target's fp8 maximum: 448 for
 float8_e4m3fn, 224 on trn2, which reads the bytes as IEEE e4m3 (aotc.fp8).
 """
@@ -182,7 +182,7 @@ def quantize_groups(x: torch.Tensor, group: int, fp8_max: float) -> tuple[torch.
     Exact scales, not powers of two: a key's largest value is often an outlier channel
     that dominates its dot products, and a power-of-two scale put it anywhere in the top
     binade, up to 6% off. On SmolLM2-135M-Instruct (800 tokens, teacher-forced) top-1
-    agreement with float32 caches went from 90.3% to 94.0% (README, "fp8 KV caches").
+    agreement with float32 caches went from 90.3% to 94.0% (docs/low-precision.md, "fp8 KV caches").
     The division then need not be exact, so a backend that divides otherwise may round
     a value to the other fp8 neighbour; the fidelity rule (runtime.check) judges the
     result, as it must anyway: a 1e-6 difference from another GEMM row count moves a

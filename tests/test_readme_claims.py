@@ -1,4 +1,4 @@
-"""README claims that no other test checks, each against what the code really does."""
+"""README and docs claims that no other test checks, each against what the code really does."""
 
 from __future__ import annotations
 
@@ -132,11 +132,11 @@ def test_remote_downloads_are_checked_before_they_enter_the_cache(tiny_dir, tmp_
         server.stop()
 
 
-def _section_tables(title: str) -> list[list[list[str]]]:
-    """The tables of a README section: rows of cells, the header and rule left out."""
+def _section_tables(title: str, page: str) -> list[list[list[str]]]:
+    """The tables of a section of a docs page (or README.md): rows of cells, the header and rule left out."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / page).read_text()
     body = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     tables, rows = [], []
     for line in body.splitlines() + [""]:
@@ -155,8 +155,9 @@ def _types(cell: str) -> set[str]:
 
 
 def test_the_supported_models_tables_are_the_registry_and_the_tests():
-    """README "Supported models": aotc's own rows are the registry's model types, the
-    generic row is the conformance matrix, every refused example is a refusal test."""
+    """docs/models.md "Supported models": aotc's own rows are the registry's model types, the
+    generic row is the conformance matrix, every refused example is a refusal test; the
+    README's glance names the same."""
     import transformers
 
     from aotc.models import hf
@@ -164,13 +165,15 @@ def test_the_supported_models_tables_are_the_registry_and_the_tests():
 
     from .test_transformers_path import ARCHS, REFUSED
 
-    supported, refused = _section_tables("Supported models")
+    supported, refused = _section_tables("Supported models", "docs/models.md")
     # aotc's own modules only: a test that loads the example plugin (tinygpt) leaves it registered for the worker
     own = {t for a in architectures().values() if a.name != hf.NAME and a.model_class.__module__.startswith("aotc.") for t in a.model_types}
     rows = [(row[1].split(" (")[0], _types(row[0])) for row in supported]
     assert set().union(*(types for through, types in rows if through == "aotc's own code")) == own
     (generic,) = [types for through, types in rows if through == "the generic path"]
     assert generic == set(ARCHS) - own
+    (glance,) = _section_tables("At a glance", "README.md")
+    assert _types(glance[0][1]) == own and _types(glance[1][1]) == generic
     for model_type in generic:
         config = getattr(transformers, ARCHS[model_type][0])().to_dict()
         assert resolve(config, "config.json").name == hf.NAME, model_type

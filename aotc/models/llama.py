@@ -179,7 +179,7 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 def fp8_rows(config: LlamaConfig) -> dict[str, Fp8Rows | None]:
     """The packed rows of the fp8 caches, by kind: a head's values with one scale (None:
     not fp8). fp8-values keeps the keys in bf16: their errors move every attention
-    score, and fp8 keys lose answers that fp8 values keep (README, "fp8 KV caches")."""
+    score, and fp8 keys lose answers that fp8 values keep (docs/low-precision.md, "fp8 KV caches")."""
     dtype = config.kv_cache.dtype
     rows = Fp8Rows(config.head_dim, config.head_dim, 0, config.kv_cache.fp8_max)
     return {"k": rows if dtype == "fp8" else None, "v": rows if dtype in ("fp8", "fp8-values") else None}

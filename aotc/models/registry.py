@@ -108,7 +108,7 @@ def resolve(config: dict, source: Path | str, modeling: str = "auto") -> Archite
         f"{source}: unsupported architecture (model_type={model_type!r}, "
         f"architectures={config.get('architectures')!r}); aotc knows model_type {', '.join(known)}, and, with transformers "
         f"installed (aotc[hf]), every decoder-only model transformers has. "
-        "Register your own with aotc.register_architecture and pass --plugin (see README)."
+        "Register your own with aotc.register_architecture and pass --plugin (see docs/models.md)."
     )
 
 
