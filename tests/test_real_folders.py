@@ -80,11 +80,20 @@ def test_hub_id_resolves_through_the_cache_offline(tiny_dir, tmp_path):
     assert_check_report(json.loads(r.stdout), "export")
     r = aotc("run", bundle, "--model", "acme/tiny-chat", "--revision", COMMIT, "--json", "--prompt", "Hello", "--max-new-tokens", 4, env=env)
     assert r.returncode == 0, r.stderr
-    # A CI job's key step takes what its build step takes: the Hub id, the key of its snapshot's graphs.
+
+
+def test_cache_key_takes_a_hub_id_as_build_does(tiny_dir, tmp_path, monkeypatch):
+    """A CI job's key step takes what its build step takes: a Hub id (here resolved from a
+    Hugging Face cache in this process), keyed as the graphs of its snapshot."""
+    from huggingface_hub import constants
+
+    snapshot = hf_cache(tmp_path / "hf", "acme/tiny-chat", tiny_dir)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     key_args = ["--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64"]
-    r = aotc("cache", "key", "acme/tiny-chat", "--revision", COMMIT, *key_args, env=env)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == runner.invoke(app, ["cache", "key", str(snapshot), *key_args]).output.strip()
+    r = runner.invoke(app, ["cache", "key", "acme/tiny-chat", "--revision", COMMIT, *key_args])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == runner.invoke(app, ["cache", "key", str(snapshot), *key_args]).output.strip()
 
 
 def test_unknown_hub_id_offline_says_what_was_tried(tmp_path):
