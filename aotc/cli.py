@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import AotcError
+from .runtime.session import TokenEvent
 from .models.corpus import CORPUS
 from .quiet import VERBOSE_ENV, silence_third_party_warnings
 from .terminal import print_whole_when_piped
@@ -594,9 +595,11 @@ class _Stream:
 
     def __init__(self, shown: list[str], prompts: list[list[int]], tokenizer, notes: list[str]):
         self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
+        from .runtime.session import TextDeltas
+
         self.ids: list[list[int]] = [[] for _ in prompts]
         self.live = None
-        self.deltas = None  # --eager: the text of each token, as the Session makes it
+        self.deltas = TextDeltas(tokenizer, len(prompts))  # --eager: the text of each token, as the Session makes it
 
     def __enter__(self):
         for note in self.notes:
@@ -643,9 +646,6 @@ class _Stream:
 
     def token(self, i: int, sequence) -> None:
         """runtime.generate's on_token (aotc run --eager): the same events, from its sequences."""
-        from .runtime.session import TextDeltas, TokenEvent
-
-        self.deltas = self.deltas or TextDeltas(self.tokenizer, len(self.prompts))
         self.event(TokenEvent(i, sequence.new_ids[-1], self.deltas.step(i, sequence.new_ids, False)))
 
 

@@ -201,11 +201,11 @@ class BuildOptions:
 
         try:
             held = read_manifest(self.out)
-        except Exception:  # nothing there, or not a readable bundle: check_replaceable decides
+        except (AotcError, OSError):  # nothing there, or not a readable bundle: check_replaceable decides
             return
-        mine = f"{self.hub.repo_id} ({self.model_dir})" if self.hub else str(self.model_dir.resolve())
-        theirs = f"{held.model.hub.repo_id} ({held.model.source})" if held.model.hub else held.model.source
-        if (held.model.hub.repo_id if held.model.hub else held.model.source) == (self.hub.repo_id if self.hub else str(self.model_dir.resolve())) and held.backend.name == self.backend:
+        # A model is its Hub id where it came from the Hub (a snapshot's folder is per commit), else its folder.
+        mine, theirs = self.hub.repo_id if self.hub else str(self.model_dir.resolve()), held.model.hub.repo_id if held.model.hub else held.model.source
+        if (mine, self.backend) == (theirs, held.backend.name):
             return
         raise AotcError(
             f"-o {self.out} (the default, from the model's name) holds a bundle of {theirs} on {held.backend.name}; this build "
