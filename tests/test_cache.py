@@ -408,6 +408,30 @@ def test_prune_removes_what_killed_builds_left_and_counts_its_bytes(tmp_path):
     assert not old.exists() and fresh.exists() and tmp_path.exists()  # a compile younger than an hour may be running
 
 
+def test_a_private_folder_is_this_users_alone_and_prune_counts_it_with_the_entries(tmp_path):
+    """jax/<digest> is where JAX's compilation cache goes (JAX runs what it finds there):
+    made 0700; a level that others can open, or a link, is not used; prune drops it with
+    the compiled entries, least recently written first."""
+    cache = LocalCache(tmp_path / "cache")
+    folder = cache.private("jax", "d1")
+    assert folder == cache.root / "jax" / "d1" and cache.made_by_aotc()
+    assert [oct(p.stat().st_mode & 0o777) for p in (folder.parent, folder)] == ["0o700", "0o700"]
+    (folder / "exe").write_bytes(b"x" * 1000)
+    old = cache.private("jax", "d0")
+    (old / "exe").write_bytes(b"y" * 500)
+    os.utime(old / "exe", (time.time() - 60, time.time() - 60))
+    os.chmod(folder, 0o750)
+    assert cache.private("jax", "d1") is None  # group can read it: not private
+    os.chmod(folder, 0o700)
+    (cache.root / "jax" / "linked").symlink_to(tmp_path)
+    assert cache.private("jax", "linked") is None
+    assert cache.prune(1000) == (1, 500)  # the least recently written goes first
+    assert not old.exists() and folder.exists() and tmp_path.exists()
+    assert cache.prune(0) == (1, 1000) and not folder.exists()
+    other = LocalCache(tmp_path)  # holds files aotc did not make: never claimed
+    assert other.private("jax", "d1") is None and not (tmp_path / "jax").exists()
+
+
 def test_source_digest_follows_every_python_file_and_nothing_else(tmp_path):
     from aotc.cache.keys import _source_digest
 

@@ -125,6 +125,37 @@ def test_every_graph_runs_on_xla_with_its_caches_donated(xla_bundle):
         torch.testing.assert_close(buffers[1].to_host(), v_ref)
 
 
+def test_a_second_load_takes_xlas_executables_from_the_bundles_private_jax_cache(xla_bundle, tmp_path, monkeypatch):
+    """JAX compiles each program at its first call, on every run: an xla bundle's first
+    token took seconds. The second load of a bundle reads every executable back from
+    JAX's cache in aotc's (<cache>/jax/<digest>, 0700), compiling nothing."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    model_dir, result = xla_bundle
+    monkeypatch.setenv("AOTC_CACHE_DIR", str(tmp_path / "cache"))
+    head = load_model(model_dir).model.head
+    events: list[str] = []
+    listen = lambda event, **_: events.append(event.rsplit("/", 1)[1])  # noqa: E731
+    jax.monitoring.register_event_listener(listen)
+    counts = []
+    try:
+        for _ in range(2):
+            events.clear()
+            step = Bundle.load(result.out).programs["LMHead.forward", 2, None].bind(Weights.of([p.detach() for p in head.parameters()]))
+            x = torch.randn(2, 256)
+            torch.testing.assert_close(step.device.get(step.run([step.device.put(x)])[0]), head(x), atol=1e-4, rtol=1e-4)
+            counts.append((events.count("cache_misses"), events.count("cache_hits")))
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+        jax.config.update("jax_compilation_cache_dir", None)  # the tests after this one: aotc's folder again
+        jax_cache.reset_cache()
+    folder = tmp_path / "cache" / "jax" / result.manifest.digest()
+    assert oct(folder.stat().st_mode & 0o777) == "0o700" and any(folder.iterdir())
+    (missed, _), (missed_again, hit) = counts
+    assert missed >= 1 and missed_again == 0 and hit >= 1, counts
+
+
 def test_decode_moves_the_step_activations_only_and_copies_no_cache(xla_bundle):
     """Bound once, weights placed once; caches are JAX arrays on the device. Over decode steps
     that cross the context bucket (positions 28 to 39: 32 positions read, then 64), every

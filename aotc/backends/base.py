@@ -308,6 +308,10 @@ class Backend(abc.ABC):
             return f"built with {self.name} {built}, this machine has {self.version()}"
         return None
 
+    def opening(self, manifest: "Manifest") -> None:
+        """Called once per bundle, after `incompatible` and before its artifacts load (xla
+        points JAX's compilation cache at the bundle's own folder)."""
+
     @abc.abstractmethod
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         """Compile one post-pass program into files under out_dir."""

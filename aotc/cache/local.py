@@ -3,6 +3,7 @@
     <root>/entries/<key[:2]>/<key>/   the artifact's files + record.json
     <root>/tmp/                         compiles in progress (never served)
     <root>/locks/<key>.lock             one lock per key (filelock)
+    <root>/jax/<bundle digest>/         JAX's compilation cache for one xla bundle (private)
     <root>/CACHEDIR.TAG                 what makes the folder aotc's (below)
 
 An entry is compiled in a temporary folder and renamed into place under the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -124,6 +126,29 @@ class LocalCache:
 
     def path(self, key: str) -> Path:
         return self.root / "entries" / key[:2] / key
+
+    def private(self, kind: str, name: str) -> Path | None:
+        """<root>/<kind>/<name>, made 0700, for a cache that another library fills and loads
+        without checks of its own: JAX runs any executable it finds in its compilation
+        cache, so that folder must be writable by this user alone. Each level below the
+        root is checked: a folder of this user's, reached without a link, that no one else
+        can open. None where the root is not aotc's, or a level cannot be made or fails the
+        check: the caller then goes without the cache (slower, never less safe)."""
+        try:
+            self.claim()
+        except (CacheError, OSError):
+            return None
+        folder = self.root
+        for part in (kind, name):
+            folder = folder / part
+            try:
+                folder.mkdir(mode=0o700, exist_ok=True)
+                st = os.lstat(folder)
+            except OSError:
+                return None
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                return None
+        return folder
 
     def lock(self, key: str) -> FileLock:
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
@@ -231,8 +256,8 @@ class LocalCache:
         return out
 
     def prune(self, max_size: int) -> tuple[int, int]:
-        """Delete least recently used entries until the cache holds at most max_size
-        bytes, and leftover temporary folders. Returns (entries removed, bytes freed).
+        """Delete least recently used entries (and bundles' JAX caches, jax/) until the cache
+        holds at most max_size bytes, and leftover temporary folders. Returns (entries removed, bytes freed).
         A folder aotc did not make is refused: nothing in it is aotc's to delete."""
         if not self.made_by_aotc():
             if not self.root.exists():
@@ -247,18 +272,32 @@ class LocalCache:
             with_age = time.time() - tmp.lstat().st_mtime
             if with_age > 3600:  # an hour: no compile takes that long; this one's build died
                 freed += self.remove(tmp)
-        entries = sorted(self.entries(), key=lambda e: (e.dir / RECORD).stat().st_mtime)
-        total = sum(e.size for e in entries)
-        for e in entries:
+        # Compiled entries and the private caches (jax/<digest>), least recently used first:
+        # an entry's record is touched when served; a private cache's newest file is its last write.
+        items = [((e.dir / RECORD).stat().st_mtime, e.size, e) for e in self.entries()]
+        for folder in self._private_folders():
+            files = [f.lstat() for f in folder.rglob("*") if f.is_file() and not f.is_symlink()]
+            items.append((max([f.st_mtime for f in files], default=folder.lstat().st_mtime), sum(f.st_size for f in files), folder))
+        total = sum(size for _, size, _ in items)
+        for _, size, item in sorted(items, key=lambda i: i[0]):
             if total <= max_size:
                 break
-            with self.lock(e.key):
-                size = e.size
-                self.remove(e.dir)
+            if isinstance(item, Entry):
+                with self.lock(item.key):
+                    size = item.size
+                    self.remove(item.dir)
+            else:
+                self.remove(item)
             total -= size
             freed += size
             removed += 1
         return removed, freed
+
+    def _private_folders(self) -> list[Path]:
+        kind = self.root / "jax"
+        if not self.owns(kind) or not kind.is_dir():
+            return []
+        return sorted(f for f in kind.iterdir() if f.is_dir() and not f.is_symlink())
 
 
 def parse_size(text: str) -> int:

@@ -90,6 +90,7 @@ class Bundle:
             why = backend.incompatible(manifest)
             if why:
                 raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
+            backend.opening(manifest)
         for entry, art in manifest.artifacts():
             art_dir = _copy_files(path / art.dir, art.files, Path(checked.name) / art.dir)
             bad = bad_file(art_dir, art.files)
