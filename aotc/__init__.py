@@ -7,8 +7,8 @@ than the checkpoint's, read by a module's `compiled_forward` (aotc.layout); see
 docs/models.md, "Bring your own model".
 
 The public API for running a bundle: `Session.open(bundle)`, then
-`session.generate(prompts)` (Completions; `stream=True`: TokenEvents); see
-docs/python-api.md.
+`session.generate(prompts)` (Completions; `stream=True`: TokenEvents; `sampling=
+SamplingParams(...)`, `stop=[...]`); see docs/python-api.md.
 """
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ from .layout import Derived  # noqa: E402
 from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
 from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
+from .runtime.sampling import SamplingParams  # noqa: E402
 from .runtime.session import Completion, Session, TokenEvent  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "ModelConfig", "SCRATCH_SLOT", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]
+__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "ModelConfig", "SCRATCH_SLOT", "SamplingParams", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]

@@ -18,7 +18,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import AotcError
-from .runtime.session import TokenEvent
 from .models.corpus import CORPUS
 from .quiet import VERBOSE_ENV, silence_third_party_warnings
 from .terminal import print_whole_when_piped
@@ -413,9 +412,16 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel, 1 to the machine's CPUs (default: the CPUs that other processes leave free, re-read every tenth of a second)."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="Sample at this temperature (0: greedy, the default)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample from the K most likely tokens only (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the most likely tokens whose probabilities reach P, in (0, 1] (1: all)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Sample only tokens at least P times as likely as the most likely one, in [0, 1] (0: all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of each prompt's random stream: the same seed gives the same tokens (default: a fresh one)."),
+    stop: list[str] = typer.Option([], "--stop", show_default=False, help="TEXT: end a prompt's generation where its text reaches TEXT, which is left out of the output; repeat for several."),
 ):
-    """Greedy generation through a bundle (or, with --eager, with the eager model). Stops at
-    the model's eos tokens (generation_config.json's, else config.json's). Text streams
+    """Generation through a bundle (or, with --eager, with the eager model), greedy unless
+    --temperature says otherwise. Stops at the model's eos tokens (generation_config.json's,
+    else config.json's) and at --stop strings. Text streams
     as it is generated, without special tokens; notes after it name the prompts cut at
     the token limit before a stop token, and say so where the model answers with a stop
     token at once without --chat in a folder that has a chat template. A parallel bundle
@@ -429,11 +435,18 @@ def run(
     from .parallel import joined_rank
     from .runtime import generate
     from .runtime.generate import check_lengths
-    from .runtime.session import Session, completions
+    from .runtime.sampling import SamplingError, SamplingParams
+    from .runtime.session import Session, completions, token_events
 
     session = None
     try:
         t0 = time.perf_counter()
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        except SamplingError as e:  # worded by field: the option's name is the field's
+            raise AotcError(f"--{str(e).replace('_', '-', 1)}") from None
+        if check and not sampling.greedy:
+            raise AotcError(f"--check compares greedy decoding with eager's; leave --temperature out (it is {temperature}) to check")
         load_plugins(plugin)
         if eager:
             if check:
@@ -483,15 +496,20 @@ def run(
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
         rank = 0 if session is None else session.rank
-        stream = None if as_json or rank != 0 else _Stream(asked, prompts, tokenizer, notes)
+        stream = None if as_json or rank != 0 else _Stream(asked, prompts, notes)
         with stream or contextlib.nullcontext():
             if session is None:
                 kwargs = dict(max_batch=max_batch or len(prompts), max_seq=max_seq, eos_ids=defaults.eos_token_ids, threads=threads)
                 setup_s = time.perf_counter() - t0
-                gen = generate(loaded.model, prompts, new_tokens, on_token=stream and stream.token, **kwargs)
-                done = completions(gen, tokenizer, defaults.eos_token_ids, 0.0, setup_s)
+                if stop and tokenizer is None:
+                    raise AotcError(f"--stop: stop strings are matched on the text, and {model_dir} has no tokenizer.json")
+                emit, stops = token_events(tokenizer, len(prompts), new_tokens, defaults.eos_token_ids, stop, stream and stream.event)
+                gen = generate(loaded.model, prompts, new_tokens, on_token=emit, sampling=[sampling] * len(prompts), **kwargs)
+                done = completions(gen, tokenizer, defaults.eos_token_ids, 0.0, setup_s, stops=stops)
             else:
-                done = session.generate(prompts, max_new_tokens=new_tokens, max_batch=max_batch, on_token=stream and stream.event, check=check)
+                done = session.generate(
+                    prompts, max_new_tokens=new_tokens, max_batch=max_batch, on_token=stream and stream.event, check=check, sampling=sampling, stop=stop,
+                )  # fmt: skip
         if rank != 0:  # rank 0 reports, and checked against the whole eager model
             return session.close()
         after = _endings(done, defaults, new_tokens, max_new_tokens, model_dir, chat)
@@ -522,7 +540,8 @@ def run(
 
 def _rank_arguments(values: dict) -> dict:
     """aotc run's own arguments, as the rank entry point (run_rank) takes them again."""
-    names = ("model", "revision", "prompt", "chat", "messages", "max_new_tokens", "max_batch", "check", "eager", "plugin", "as_json", "threads", "expect_digest")
+    names = ("model", "revision", "prompt", "chat", "messages", "max_new_tokens", "max_batch", "check", "eager", "plugin", "as_json", "threads", "expect_digest",
+             "temperature", "top_k", "top_p", "min_p", "seed", "stop")  # fmt: skip
     return {"path": str(values["path"]), **{n: values[n] for n in names}, "messages": [str(m) for m in values["messages"]]}
 
 
@@ -590,16 +609,14 @@ class _Stream:
     with a line per sequence on a terminal, and is printed whole at the end elsewhere.
     Per token it takes the Session's TokenEvent (its text: tokenizers' DecodeStream, which
     holds back a character split across tokens, special tokens such as a stop token left
-    out, as in the batch view and --json's "text"); a batch only records the id, so that
-    the redraws stay off the decode loop's cost."""
+    out, as in the batch view and --json's "text"; a stop string held back and left out);
+    a batch only adds the text to its line, so that the redraws stay off the decode loop's
+    cost."""
 
-    def __init__(self, shown: list[str], prompts: list[list[int]], tokenizer, notes: list[str]):
-        self.shown, self.prompts, self.tokenizer, self.notes = shown, prompts, tokenizer, notes
-        from .runtime.session import TextDeltas
-
-        self.ids: list[list[int]] = [[] for _ in prompts]
+    def __init__(self, shown: list[str], prompts: list[list[int]], notes: list[str]):
+        self.shown, self.prompts, self.notes = shown, prompts, notes
+        self.texts = [""] * len(prompts)
         self.live = None
-        self.deltas = TextDeltas(tokenizer, len(prompts))  # --eager: the text of each token, as the Session makes it
 
     def __enter__(self):
         for note in self.notes:
@@ -633,20 +650,16 @@ class _Stream:
         from rich.text import Text
 
         lines = []
-        for i, ids in enumerate(self.ids):
-            lines += [Text.from_markup(self._header(i)), Text("  -> " + self.tokenizer.decode(ids))]
+        for i, text in enumerate(self.texts):
+            lines += [Text.from_markup(self._header(i)), Text("  -> " + text)]
         return Group(*lines)
 
     def event(self, event) -> None:
         """The Session's on_token."""
-        self.ids[event.index].append(event.token_id)
+        self.texts[event.index] += event.text
         if len(self.prompts) == 1 and event.text:
             console.out(event.text, end="", highlight=False)
             console.file.flush()
-
-    def token(self, i: int, sequence) -> None:
-        """runtime.generate's on_token (aotc run --eager): the same events, from its sequences."""
-        self.event(TokenEvent(i, sequence.new_ids[-1], self.deltas.step(i, sequence.new_ids, False)))
 
 
 @app.command(short_help="Run every artifact against eager, on the model's own inputs.")
@@ -819,7 +832,7 @@ def _report(prompts, done, backend, source) -> dict:
     out = {
         "bundle": source,
         "backend": backend,
-        "prompts": [{"prompt": p, "prompt_ids": c.prompt_ids, "new_ids": c.ids, "text": c.text} for p, c in zip(prompts, done)],
+        "prompts": [{"prompt": p, "prompt_ids": c.prompt_ids, "new_ids": c.ids, "text": c.text, "finish_reason": c.finish_reason} for p, c in zip(prompts, done)],
         "timings": {
             "bundle_load_s": round(t.load_s, 4),
             "setup_s": round(t.setup_s, 4),

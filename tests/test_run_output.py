@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from aotc.cli import _Stream, app
 from aotc.runtime.generate import Sequence
+from aotc.runtime.session import token_events
 
 runner = CliRunner()
 TURN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
@@ -56,10 +57,11 @@ def test_a_streamed_prompt_prints_no_stop_token(tiny_dir, capsys):
     tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     words = tokenizer.encode("one two", add_special_tokens=False).ids
     seq = Sequence(prompt_ids=[1, 5])
-    with _Stream(["hi"], [seq.prompt_ids], tokenizer, []) as stream:
+    with _Stream(["hi"], [seq.prompt_ids], []) as stream:
+        emit, _ = token_events(tokenizer, 1, 8, [tokenizer.token_to_id("</s>")], (), stream.event)
         for t in [*words, tokenizer.token_to_id("</s>")]:
             seq.new_ids.append(t)
-            stream.token(0, seq)
+            emit(0, seq)
     out = capsys.readouterr().out
     assert out.rstrip().endswith(tokenizer.decode(words)) and "</s>" not in out
 
@@ -81,3 +83,26 @@ def test_messages_files_are_conversations_through_the_chat_template(tiny_bundle,
     r = runner.invoke(app, ["run", str(tiny_bundle.out), "--messages", str(tmp_path / "bad.json")], env={"COLUMNS": "400"})
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and f"--messages {tmp_path / 'bad.json'}: message 1 is" in said and "one of system, user, assistant" in said, said
+
+
+def test_run_samples_with_a_seed_and_cuts_at_a_stop_string(tiny_bundle, tiny_dir):
+    """--temperature/--top-p/--top-k/--min-p/--seed pass through, on a bundle and with
+    --eager alike; --stop cuts the text before the string; greedy stays the default and
+    --check stays greedy. Errors name the option."""
+    run = lambda *a: runner.invoke(app, ["run", str(tiny_bundle.out), "--prompt", "Hello", "--max-new-tokens", "10", "--json", *map(str, a)])  # noqa: E731
+    ids = lambda r: json.loads(r.output)["prompts"][0]["new_ids"]  # noqa: E731
+    sampled = [run("--temperature", "1.0", "--top-p", "0.95", "--top-k", "40", "--min-p", "0.01", "--seed", s) for s in (5, 5, 6)]
+    assert all(r.exit_code == 0 for r in sampled), sampled[0].output
+    greedy = run()
+    assert ids(sampled[0]) == ids(sampled[1]) != ids(sampled[2]) and ids(sampled[0]) != ids(greedy)
+    eager_run = runner.invoke(app, ["run", str(tiny_dir), "--eager", "--prompt", "Hello", "--max-new-tokens", "10", "--json", "--temperature", "1.0", "--top-p", "0.95", "--top-k", "40", "--min-p", "0.01", "--seed", "5"])
+    assert ids(eager_run) == ids(sampled[0])  # the same stream of draws over the same logits
+    text = json.loads(greedy.output)["prompts"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    cut = json.loads(run("--stop", stop).output)["prompts"][0]
+    assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop", (cut, stop)
+    streamed = runner.invoke(app, ["run", str(tiny_bundle.out), "--prompt", "Hello", "--max-new-tokens", "10", "--stop", stop])
+    assert streamed.exit_code == 0 and stop not in streamed.output.split("->", 1)[1].split("\n")[0], streamed.output
+    assert "--top-p: 0.0; expected a number in (0, 1]" in " ".join(run("--top-p", "0").output.split())
+    r = run("--check", "--temperature", "0.7")
+    assert r.exit_code == 2 and "--check compares greedy decoding" in r.output

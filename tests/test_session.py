@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import aotc
-from aotc import AotcError, Completion, Session, TokenEvent
+from aotc import AotcError, Completion, SamplingParams, Session, TokenEvent
 from aotc.chat import render_messages
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
@@ -45,7 +45,7 @@ def test_the_docs_examples_run_as_written(tiny_bundle, tiny_dir, tmp_path, monke
     bundle it opens (artifacts/tiny: the tiny model's); the first, a program of at most 6
     lines, prints what the runtime generates."""
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert len(blocks) == 2 and len(blocks[0].strip().splitlines()) <= 8  # the import, a blank line, 6 lines
+    assert len(blocks) == 3 and len(blocks[0].strip().splitlines()) <= 8  # the import, a blank line, 6 lines
     readme = (DOCS.parent.parent / "README.md").read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
     blocks += re.findall(r"```python\n(.*?)```", readme, re.S)  # the README's shorter one
     (tmp_path / "artifacts").mkdir()
@@ -71,8 +71,10 @@ def test_the_docs_examples_run_as_written(tiny_bundle, tiny_dir, tmp_path, monke
     assert printed[0][:2] == expected
     hello = generate(loaded.model, [tokenizer.encode("Hello").ids], 8, **kw).sequences[0].new_ids
     assert [int(line.split()[1]) for line in printed[0][2:]] == hello
-    assert len(printed[1]) >= 1
-    assert raw[2] == decoded[0] + "\n"  # the README's: the first completion's text
+    reason, text = printed[1][0].split(" ", 1)  # the sampled one: cut before its stop string
+    assert reason in ("stop", "length") and "." not in text
+    assert len(printed[2]) >= 1
+    assert raw[3] == decoded[0] + "\n"  # the README's: the first completion's text
 
 
 def test_generate_is_the_runtimes_generation(session, tiny_bundle, tiny_dir):
@@ -126,6 +128,68 @@ def test_stream_yields_each_token_as_it_comes_and_stops_when_left(session):
     assert 1 <= len(calls) <= 2
     got = session.generate(["Hello"], max_new_tokens=9)  # and the session still generates
     assert got[0].ids == whole[0].ids
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_among_others(session):
+    """Each request's random stream is its own: seeded, its tokens do not depend on the
+    requests beside it. top_k=1 is greedy at any temperature; logprobs are the model's."""
+    warm = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    alone = session.generate(["The capital of France is"], max_new_tokens=12, sampling=warm)[0]
+    others = [SamplingParams(temperature=1.2, seed=s) for s in (1, 2, 3)]
+    among = session.generate(["Once upon", "The capital of France is", "A B C", "x"], max_new_tokens=12, sampling=[others[0], warm, *others[1:]])
+    assert among[1].ids == alone.ids
+    unseeded = session.generate(["The capital of France is"] * 2, max_new_tokens=12, sampling=SamplingParams(temperature=1.0))
+    greedy = session.generate(["The capital of France is"], max_new_tokens=12)[0]
+    assert alone.ids != greedy.ids and unseeded[0].ids != unseeded[1].ids  # it did sample: 10^-4 chance of a false alarm at most
+    top1 = session.generate(["The capital of France is"], max_new_tokens=12, sampling=SamplingParams(temperature=2.0, top_k=1, logprobs=2))[0]
+    assert top1.ids == greedy.ids and [c.token for c in top1.logprobs] == top1.ids
+    assert all(c.top[0][0] == c.token and c.logprob == pytest.approx(c.top[0][1]) for c in top1.logprobs)
+    with pytest.raises(AotcError, match=r"sampling: expected a SamplingParams, or a list of one per prompt \(2\)"):
+        session.generate(["a", "b"], sampling=[warm])
+    with pytest.raises(AotcError, match="check=True compares greedy decoding"):
+        session.generate(["a"], sampling=warm, check=True)
+
+
+def test_on_ranks_an_unseeded_request_takes_rank_0s_seed(session, monkeypatch):
+    """Every rank of a parallel bundle samples, and `agree` fails the run where their tokens
+    differ: a request without a seed takes the one rank 0 broadcasts (dist.broadcast,
+    stood in for here)."""
+    import torch.distributed as dist
+
+    def broadcast(tensor, src):
+        assert src == 0
+        tensor.copy_(tensor.new_tensor([42, 43]))
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    monkeypatch.setattr(session, "world_size", 2)
+    params = session._sampling([SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7)], 2, False)
+    assert [p.seed for p in params] == [42, 7] and params[0].temperature == 1.0
+
+
+def test_a_stop_string_across_three_tokens_never_streams_and_ends_the_completion(session):
+    greedy = session.generate(["The capital of France is"], max_new_tokens=24)[0]
+    tokenizer = session.tokenizer
+    # The text that three tokens from the middle of the answer add, as the stop string.
+    start = len(tokenizer.decode(greedy.ids[:8]))
+    stop = tokenizer.decode(greedy.ids[:11])[start:]
+    assert len(stop) > 3 and greedy.text.find(stop) == start, (greedy.text, stop)
+    events = session.generate(["The capital of France is"], max_new_tokens=24, stream=True, stop=["never there", stop])
+    pieces = []
+    while True:
+        try:
+            pieces.append(next(events).text)
+        except StopIteration as end:
+            done = end.value[0]
+            break
+    assert done.text == "".join(pieces) == greedy.text[:start] and done.finish_reason == "stop"
+    # It ended at the token that completed the stop string, or the next: tokenizers'
+    # DecodeStream gives a token's text once the token after it shows how it joins.
+    assert done.ids[:11] == greedy.ids[:11] and len(done.ids) <= 12, (done.ids, greedy.ids)
+    assert not any(stop[:2] in p for p in pieces[-4:]), pieces
+    plain = session.generate(["The capital of France is"], max_new_tokens=24, stop=[stop])[0]
+    assert plain.text == done.text and plain.ids == done.ids
+    with pytest.raises(AotcError, match="stop: .*expected non-empty strings"):
+        session.generate(["a"], stop=[""])
 
 
 def test_caches_are_allocated_once(tiny_bundle):

@@ -1,4 +1,5 @@
-"""Batched greedy generation: chunked prefill, then batched decode.
+"""Batched generation: chunked prefill, then batched decode; greedy unless a prompt's
+SamplingParams say otherwise (aotc.runtime.sampling).
 
 The loop is the same for the eager model and for a model bound to a bundle;
 only the entry methods differ. Prompts run in groups of at most `max_batch`;
@@ -20,6 +21,7 @@ from ..errors import AotcError
 from ..kvcache import Regions
 from ..models.base import CausalLM
 from .dispatch import is_bound
+from .sampling import Choice, Sampler, SamplingParams
 from .threads import ThreadGovernor
 
 
@@ -28,6 +30,8 @@ class Sequence:
     prompt_ids: list[int]
     new_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
+    choices: list[Choice] = field(default_factory=list)  # per new token, with its logprobs (if asked for)
+    stopped: bool = False  # on_token ended it (a stop string)
 
 
 @dataclass
@@ -80,10 +84,12 @@ def generate(
     threads: int | None = None,
     forced: list[list[int]] | None = None,
     caches: dict | None = None,
+    sampling: list[SamplingParams] | None = None,
 ) -> Generation:
-    """Greedy generation. Stops a sequence at any of eos_ids (default: the model
-    config's eos_token_ids). on_token(i, sequence) runs after sequence i (of all
-    prompts) gains a token, for streaming. threads: torch's intra-op threads; by
+    """Generation, greedy unless `sampling` (one SamplingParams per prompt) says otherwise.
+    Stops a sequence at any of eos_ids (default: the model config's eos_token_ids).
+    on_token(i, sequence) runs after sequence i (of all prompts) gains a token, for
+    streaming; a true result ends that sequence there (a stop string). threads: torch's intra-op threads; by
     default as many as other processes leave CPUs free, re-read as it runs
     (aotc.runtime.threads); torch's count is restored at the end.
 
@@ -102,6 +108,12 @@ def generate(
     if max_new_tokens < 1:
         raise AotcError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
     check_lengths(prompts, max_new_tokens, max_seq)
+    if sampling is not None and len(sampling) != len(prompts):
+        raise AotcError(f"sampling: expected one SamplingParams per prompt ({len(prompts)}), got {len(sampling)}")
+    # A sampler per prompt where any prompt samples or asks for logprobs; else the argmax of the batch.
+    samplers = None
+    if sampling is not None and any(not p.greedy or p.logprobs is not None for p in sampling):
+        samplers = [Sampler(p, list(prompt)) for p, prompt in zip(sampling, prompts)]
     slots = slots or max_batch + 1
     eos = set(getattr(model.config, "eos_token_ids", ()) if eos_ids is None else eos_ids) if stop_at_eos else set()
     device = next(model.parameters()).device
@@ -121,8 +133,9 @@ def generate(
             logits = model.prefill_batch([torch.tensor(s.prompt_ids, device=device) for s in group], list(range(len(group))), caches)
             result.prefill_s += time.perf_counter() - t0
             result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-            ids = _next(logits, forced, g, 0)
-            done = _append(group, ids.tolist(), logits, eos, keep_logits, [False] * len(group), on_token, g, forced)
+            done = [False] * len(group)
+            ids = _next(logits, forced, g, 0, samplers, group, done)
+            done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g, forced)
             if g == 0:
                 result.ttft_s = time.perf_counter() - t_start
             t0 = time.perf_counter()
@@ -134,7 +147,7 @@ def generate(
                     break
                 governor.step()
                 logits = model.decode(ids, positions, caches)  # [B, vocab]
-                ids = _next(logits, forced, g, step)
+                ids = _next(logits, forced, g, step, samplers, group, done)
                 done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g, forced)
                 positions = positions + 1
                 result.decode_steps += 1
@@ -160,8 +173,18 @@ def _check_caches(model: CausalLM, caches: dict, slots: int, max_seq: int) -> No
             )
 
 
-def _next(logits: torch.Tensor, forced, first: int, step: int) -> torch.Tensor:
-    """The tokens a step takes: the argmax, or the forced ones (a finished row: any)."""
+def _next(logits: torch.Tensor, forced, first: int, step: int, samplers=None, group=(), done=()) -> torch.Tensor:
+    """The tokens a step takes: the argmax, each row's sampler's choice, or the forced ones
+    (a finished row: any)."""
+    if samplers is not None and forced is None:
+        ids = logits.argmax(dim=-1)
+        for i, (s, finished) in enumerate(zip(group, done)):
+            if not finished:
+                choice = samplers[first + i].choose(logits[i])
+                ids[i] = choice.token
+                if choice.logprob is not None:
+                    s.choices.append(choice)
+        return ids
     if forced is None:
         return logits.argmax(dim=-1)
     rows = forced[first : first + logits.shape[0]]
@@ -175,7 +198,7 @@ def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token
             s.new_ids.append(token)
             if keep_logits:
                 s.logits.append(row.clone())
-            if on_token is not None:
-                on_token(first + i, s)
-        out.append(finished or token in eos or (forced is not None and len(s.new_ids) == len(forced[first + i])))
+            if on_token is not None and on_token(first + i, s):
+                s.stopped = True
+        out.append(finished or s.stopped or token in eos or (forced is not None and len(s.new_ids) == len(forced[first + i])))
     return out

@@ -9,11 +9,13 @@
 Opening does once what every generation needs: the bundle loaded and checked,
 its model's weights found and loaded as its graphs take them, bound, the caches
 allocated, the tokenizer, generation_config and chat template read. Each
-generate() then runs greedy decoding through the bundle on those same caches.
+generate() then runs through the bundle on those same caches: greedy decoding, or
+sampling as each prompt's SamplingParams say, ending at stop tokens or strings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -26,6 +28,8 @@ from ..errors import AotcError
 from .bundle import Bundle
 from .check import CheckReport, check_generation
 from .generate import Generation, check_lengths, generate
+from .sampling import Choice, SamplingParams
+from .stops import StopText
 
 # A prompt: text, token ids, or a conversation ({"role", "content"} dicts).
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -51,8 +55,9 @@ class Completion:
 
     prompt_ids: list[int]
     ids: list[int]  # the new tokens
-    text: str | None  # their text, special tokens left out (None: the folder has no tokenizer.json)
-    finish_reason: str  # "stop": a stop token ended it (the last id); "length": max_new_tokens did
+    text: str | None  # their text, special tokens left out, cut before a stop string (None: no tokenizer.json)
+    finish_reason: str  # "stop": a stop token (the last id) or stop string ended it; "length": max_new_tokens did
+    logprobs: list[Choice] | None = None  # per new token, where SamplingParams.logprobs asked for them
 
 
 class Completions(list):
@@ -153,23 +158,30 @@ class Session:
     def generate(
         self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False, stream: bool = False,
         on_token: Callable[[TokenEvent], None] | None = None, max_batch: int | None = None, check: bool = False,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None, stop: Sequence[str] = (),
     ) -> Completions | Iterator[TokenEvent]:  # fmt: skip
-        """Greedy generation of each prompt through the bundle, stopping at the model's stop
+        """Generation of each prompt through the bundle, stopping at the model's stop
         tokens (generation_config.json's, else config.json's) or after max_new_tokens
         (default: generation_config.json's, else 32). chat=True: text prompts are sent as
         a user turn through the chat template. on_token(event) runs for each new token.
         stream=True: returns an iterator of TokenEvents instead, as the tokens come; the
         Completions are then the iterator's return value (StopIteration.value).
         max_batch: prompts run together (default: the bundle's largest batch bucket).
+        sampling: greedy by default; a SamplingParams for every prompt, or a list of one
+        per prompt (temperature, top_k, top_p, min_p, seed, penalties, logprobs).
+        stop: strings that end a prompt's generation where its text first holds one; the
+        text (streamed or not) stops before it, and no part of it is ever streamed.
         check=True: the Completions' .check is this generation checked against the eager
-        model under the fidelity rule (check()); on a parallel bundle, rank 0 checks and
-        the other ranks' .check is None."""
+        model under the fidelity rule (check()), greedy only; on a parallel bundle, rank 0
+        checks and the other ranks' .check is None."""
         ids = self._prompts(prompts, chat)
         new = self._new_tokens(ids, max_new_tokens)
         batch = self._max_batch(max_batch)
+        params = self._sampling(sampling, len(ids), check)
+        stops = self._stops(stop)
         if stream:
-            return self._stream(ids, new, on_token, batch, check)
-        return self._run(ids, new, on_token, batch, check)
+            return self._stream(ids, new, on_token, batch, check, params, stops)
+        return self._run(ids, new, on_token, batch, check, params, stops)
 
     def check(self, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, chat: bool = False) -> CheckReport | None:
         """`aotc run --check` for these prompts: the bundle's generation against the eager
@@ -203,6 +215,30 @@ class Session:
             raise AotcError(f"max_batch={asked}: expected 1 to {self.bundle.max_batch}, the bundle's largest batch bucket")
         return asked
 
+    def _sampling(self, sampling, n: int, check: bool) -> list[SamplingParams] | None:
+        if sampling is None:
+            return None
+        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling) if isinstance(sampling, (list, tuple)) else None
+        if params is None or len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise AotcError(f"sampling: expected a SamplingParams, or a list of one per prompt ({n}); got {_short(sampling)}")
+        if check and not all(p.greedy for p in params):
+            raise AotcError("check=True compares greedy decoding with eager's; pass temperature 0 (the default) to check")
+        if self.world_size > 1 and any(p.seed is None for p in params):
+            # Every rank draws the same tokens: an unseeded request takes rank 0's seed.
+            import torch
+            import torch.distributed as dist
+
+            seeds = torch.tensor([int.from_bytes(os.urandom(7), "little") for _ in params])
+            dist.broadcast(seeds, src=0)
+            params = [p if p.seed is not None else dataclasses.replace(p, seed=int(seed)) for p, seed in zip(params, seeds.tolist())]
+        return params
+
+    def _stops(self, stop: Sequence[str]) -> list[str]:
+        StopText(stop)  # checks them: non-empty strings
+        if stop and self.tokenizer is None:
+            raise AotcError(f"stop: {list(stop)!r}: stop strings are matched on the text, and {self.model_dir} has no tokenizer.json")
+        return [stop] if isinstance(stop, str) else list(stop)
+
     def _prompts(self, prompts: Sequence[Prompt], chat: bool) -> list[list[int]]:
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
             raise AotcError(f"prompts: expected a non-empty list of prompts, got {type(prompts).__name__} {_short(prompts)}; pass [prompt] for one")
@@ -218,23 +254,17 @@ class Session:
         check_lengths(ids, new, max_seq, limit, asked="max_new_tokens=")
         return new
 
-    def _run(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False) -> Completions:
-        texts, eos = TextDeltas(self.tokenizer, len(ids)), set(self.defaults.eos_token_ids)
-        emit = None
-        if on_token is not None:
-
-            def emit(i: int, s) -> None:
-                last = len(s.new_ids) == new or s.new_ids[-1] in eos
-                on_token(TokenEvent(i, s.new_ids[-1], texts.step(i, s.new_ids, last)))
-
+    def _run(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False,
+             sampling: list[SamplingParams] | None = None, stop: list[str] = ()) -> Completions:  # fmt: skip
+        emit, stops = token_events(self.tokenizer, len(ids), new, self.defaults.eos_token_ids, stop, on_token)
         kwargs = self._kwargs(max_batch)
-        gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, keep_logits=check, **kwargs)
+        gen = generate(self.model, ids, new, on_token=emit, caches=self._caches, keep_logits=check, sampling=sampling, **kwargs)
         if self.world_size > 1:
             from .launch import agree
 
             agree(gen)
         report = self._check(gen, new, kwargs) if check and self.rank == 0 else None
-        return completions(gen, self.tokenizer, self.defaults.eos_token_ids, self._load_s, self._setup_s, report)
+        return completions(gen, self.tokenizer, self.defaults.eos_token_ids, self._load_s, self._setup_s, report, stops)
 
     def _check(self, gen: Generation, new: int, kwargs: dict) -> CheckReport:
         """gen against the eager model. A full-precision bundle on one rank: the bound model's
@@ -250,15 +280,16 @@ class Session:
         finally:
             self.bundle.bind(model)
 
-    def _stream(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False) -> Iterator[TokenEvent]:
+    def _stream(self, ids: list[list[int]], new: int, on_token, max_batch: int | None = None, check: bool = False,
+                sampling: list[SamplingParams] | None = None, stop: list[str] = ()) -> Iterator[TokenEvent]:  # fmt: skip
         """The generation runs on a thread of its own; its events come through a queue. An
         iterator left early stops it at its next token."""
         events: queue.Queue = queue.Queue()
-        stop = threading.Event()
+        left = threading.Event()  # the reader left early
         done: list = []
 
         def put(event: TokenEvent) -> None:
-            if stop.is_set():
+            if left.is_set():
                 raise _Stopped
             if on_token is not None:
                 on_token(event)
@@ -266,7 +297,7 @@ class Session:
 
         def work() -> None:
             try:
-                done.append(self._run(ids, new, put, max_batch, check))
+                done.append(self._run(ids, new, put, max_batch, check, sampling, stop))
             except _Stopped:
                 pass
             except BaseException as e:  # raised again in the caller's thread
@@ -279,7 +310,7 @@ class Session:
             while (event := events.get()) is not None:
                 yield event
         finally:
-            stop.set()
+            left.set()
             worker.join()
         if done and isinstance(done[0], BaseException):
             raise done[0]
@@ -308,16 +339,43 @@ class Session:
         return ids
 
 
-def completions(gen: Generation, tokenizer, eos_ids, load_s: float, setup_s: float, check: CheckReport | None = None) -> Completions:
-    """A runtime Generation as Completions: each sequence's text (special tokens left out)
-    and finish reason, the generation's timings (load_s, setup_s: what opening took)."""
+def token_events(tokenizer, n: int, new: int, eos_ids, stop: Sequence[str], on_token: Callable[[TokenEvent], None] | None):
+    """runtime.generate's on_token for n prompts of at most `new` tokens: each new token as a
+    TokenEvent with the text it completes, less what a stop string holds back; it returns
+    True (the sequence ends) where the text reaches a stop string. Also the StopTexts, for
+    completions(). (None, None) where there is nothing to call and no stop string."""
+    if on_token is None and not stop:
+        return None, None
+    texts, eos = TextDeltas(tokenizer, n), set(eos_ids)
+    stops = [StopText(stop) for _ in range(n)] if stop else None
+
+    def emit(i: int, s) -> bool:
+        last = len(s.new_ids) == new or s.new_ids[-1] in eos
+        text, stopped = texts.step(i, s.new_ids, last), False
+        if stops:
+            text, stopped = stops[i].feed(text)
+            text += stops[i].flush() if last and not stopped else ""
+        if on_token is not None:
+            on_token(TokenEvent(i, s.new_ids[-1], text))
+        return stopped
+
+    return emit, stops
+
+
+def completions(gen: Generation, tokenizer, eos_ids, load_s: float, setup_s: float, check: CheckReport | None = None,
+                stops: list[StopText] | None = None) -> Completions:  # fmt: skip
+    """A runtime Generation as Completions: each sequence's text (special tokens left out;
+    cut before its stop string, where one of `stops` ended it) and finish reason, the
+    generation's timings (load_s, setup_s: what opening took)."""
     eos = set(eos_ids)
     items = [
         Completion(
-            s.prompt_ids, s.new_ids, None if tokenizer is None else tokenizer.decode(s.new_ids),
-            "stop" if s.new_ids and s.new_ids[-1] in eos else "length",
+            s.prompt_ids, s.new_ids,
+            None if tokenizer is None else stops[i].text if s.stopped else tokenizer.decode(s.new_ids),
+            "stop" if s.stopped or (s.new_ids and s.new_ids[-1] in eos) else "length",
+            s.choices or None,
         )
-        for s in gen.sequences
+        for i, s in enumerate(gen.sequences)
     ]  # fmt: skip
     t = Timings(load_s, setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s)
     return Completions(items, t, check)
