@@ -244,7 +244,7 @@ def _alive(pid: int) -> bool:
 
 def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
     """{rank: pid} of a launcher's children, once all have started."""
-    for _ in range(400):
+    for _ in range(3000):  # 30 s: a launcher on a loaded 2-core host took more than 4
         found = {}
         for c in _children(launcher.pid):
             try:

@@ -101,3 +101,7 @@ _.run_rank
 # (tests/test_backend_seam.py's interpreter backend does); aotc's own export backend reads
 # the check's results with read_archive.
 _.check_archive
+
+# Engine.abort: a request cancelled while it waits, prefills or decodes (tests/test_engine.py;
+# a server's client that leaves).
+_.abort

@@ -156,12 +156,12 @@ class CausalLM(nn.Module):
         -> logits of the last token, [vocab] float32."""
         raise NotImplementedError
 
-    def prefill_batch(self, prompts: list[torch.Tensor], slots: list[int], caches: dict[str, torch.Tensor]) -> torch.Tensor:
-        """prompts[i]: [n_i] tokens from position 0 of the sequence in slots[i] -> logits of
-        each prompt's last token, [len(prompts), vocab] float32. Here one prompt after
-        another; a model whose prefill takes several sequences' rows in one chunk
-        (models.packing) runs them together."""
-        return torch.stack([self.prefill(ids, slot, caches) for ids, slot in zip(prompts, slots)])
+    def prefill_batch(self, prompts: list[torch.Tensor], slots: list[int], caches: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
+        """prompts[i]: [n_i] tokens of the sequence in slots[i], from position `start` for the
+        first and from position 0 for every other -> logits of each prompt's last token,
+        [len(prompts), vocab] float32. Here one prompt after another; a model whose prefill
+        takes several sequences' rows in one chunk (models.packing) runs them together."""
+        return torch.stack([self.prefill(ids, slot, caches, start if i == 0 else 0) for i, (ids, slot) in enumerate(zip(prompts, slots))])
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, torch.Tensor]) -> torch.Tensor:
         """ids, positions: [B], row i is the sequence in slot i -> logits [B, vocab] float32."""

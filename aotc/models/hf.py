@@ -588,8 +588,8 @@ class TransformersCausalLM(CausalLM):
         slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
         return self._forward("prefill", ids[None], positions[None], slots, caches, 1)[0, -1]
 
-    def prefill_batch(self, prompts, slots, caches):
-        p = pack(prompts, slots)
+    def prefill_batch(self, prompts, slots, caches, start=0):
+        p = pack(prompts, slots, start)
         return self._forward("prefill", p.ids[None], p.positions[None], p.slots, caches, p.last)[0]
 
     def decode(self, ids, positions, caches):

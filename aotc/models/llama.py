@@ -447,8 +447,8 @@ class LlamaForCausalLM(CausalLM):
         return self.head(x[-1:])[0]
 
     @torch.no_grad()
-    def prefill_batch(self, prompts, slots, caches):
-        p = pack(prompts, slots)
+    def prefill_batch(self, prompts, slots, caches, start=0):
+        p = pack(prompts, slots, start)
         x = self.run_layers("prefill", self.model.embed_tokens(p.ids), p.positions, p.slots, caches)
         return self.head(x[p.last])
 

@@ -32,15 +32,19 @@ class Packed:
     last: torch.Tensor  # [n] the row of each prompt's last token
 
 
-def pack(prompts: list[torch.Tensor], slots: list[int]) -> Packed:
-    """Prompts (each from position 0) for the sequences in `slots`, as one prefill's rows."""
+def pack(prompts: list[torch.Tensor], slots: list[int], start: int = 0) -> Packed:
+    """Prompts for the sequences in `slots`, as one prefill's rows: the first from position
+    `start` (it continues what the cache holds), every other from position 0."""
     device = prompts[0].device
     lengths = torch.tensor([p.shape[0] for p in prompts], device=device)
     rows = torch.arange(int(lengths.sum()), device=device)
     starts = torch.cumsum(lengths, 0) - lengths
+    positions = rows - starts.repeat_interleave(lengths)
+    if start:
+        positions[: prompts[0].shape[0]] += start
     return Packed(
         ids=torch.cat(prompts),
-        positions=rows - starts.repeat_interleave(lengths),
+        positions=positions,
         slots=torch.tensor(slots, device=device).repeat_interleave(lengths),
         last=starts + lengths - 1,
     )

@@ -1,12 +1,11 @@
-"""Batched generation: chunked prefill, then batched decode; greedy unless a prompt's
-SamplingParams say otherwise (aotc.runtime.sampling).
+"""Generation of a list of prompts, for `aotc run`, the Session and the fidelity check:
+every prompt submitted to an Engine at once (runtime.engine: continuous batching, a
+decode call over every running row and one prefill chunk per step), stepped until all
+are done; greedy unless a prompt's SamplingParams say otherwise (runtime.sampling).
 
-The loop is the same for the eager model and for a model bound to a bundle;
-only the entry methods differ. Prompts run in groups of at most `max_batch`;
-sequence i of a group lives in cache slot i, and the slot past the last
-(`slots - 1`) is the scratch slot that padding rows write to. A group's prompts
-are prefilled together (CausalLM.prefill_batch: their rows packed into shared
-chunks, where the model can), then decoded together.
+The loop is the same for the eager model and for a model bound to a bundle; only the
+entry methods differ. The last cache slot (`slots - 1`) is the scratch slot that
+padding rows write to.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from ..errors import AotcError
 from ..kvcache import Regions
 from ..models.base import CausalLM
 from .dispatch import is_bound
-from .sampling import Choice, Sampler, SamplingParams
+from .engine import DEFAULT_CHUNK, Engine, Request
+from .sampling import Choice, SamplingParams
 from .threads import ThreadGovernor
 
 
@@ -32,6 +32,7 @@ class Sequence:
     logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
     choices: list[Choice] = field(default_factory=list)  # per new token, with its logprobs (if asked for)
     stopped: bool = False  # on_token ended it (a stop string)
+    request: Request | None = field(default=None, repr=False)  # its request in the engine
 
 
 @dataclass
@@ -80,20 +81,23 @@ def generate(
     stop_at_eos: bool = True,
     eos_ids: Iterable[int] | None = None,
     keep_logits: bool = False,
-    on_token: Callable[[int, Sequence], None] | None = None,
+    on_token: Callable[[int, Sequence], bool | None] | None = None,
     threads: int | None = None,
     forced: list[list[int]] | None = None,
     caches: dict | None = None,
     sampling: list[SamplingParams] | None = None,
+    chunk: int = DEFAULT_CHUNK,
 ) -> Generation:
-    """Generation, greedy unless `sampling` (one SamplingParams per prompt) says otherwise.
-    Stops a sequence at any of eos_ids (default: the model config's eos_token_ids).
-    on_token(i, sequence) runs after sequence i (of all prompts) gains a token, for
-    streaming; a true result ends that sequence there (a stop string). threads: torch's intra-op threads; by
-    default as many as other processes leave CPUs free, re-read as it runs
-    (aotc.runtime.threads); torch's count is restored at the end.
+    """Every prompt through the engine (runtime.engine: continuous batching, at most
+    max_batch rows decoding at once, `chunk` prompt tokens prefilled per step), greedy
+    unless `sampling` (one SamplingParams per prompt) says otherwise. Stops a sequence at
+    any of eos_ids (default: the model config's eos_token_ids). on_token(i, sequence) runs
+    after sequence i (of all prompts) gains a token, for streaming; a true result ends
+    that sequence there (a stop string). threads: torch's intra-op threads; by default as
+    many as other processes leave CPUs free, re-read as it runs (aotc.runtime.threads);
+    torch's count is restored at the end.
 
-    forced: the tokens each sequence takes, in place of its argmax, and where it stops
+    forced: the tokens each sequence takes, in place of its choice, and where it stops
     (teacher forcing: another model's logits along these tokens, for runtime.check).
 
     caches: the model's caches for `slots` and `max_seq` (model.allocate_caches, with
@@ -110,10 +114,6 @@ def generate(
     check_lengths(prompts, max_new_tokens, max_seq)
     if sampling is not None and len(sampling) != len(prompts):
         raise AotcError(f"sampling: expected one SamplingParams per prompt ({len(prompts)}), got {len(sampling)}")
-    # A sampler per prompt where any prompt samples or asks for logprobs; else the argmax of the batch.
-    samplers = None
-    if sampling is not None and any(not p.greedy or p.logprobs is not None for p in sampling):
-        samplers = [Sampler(p, list(prompt)) for p, prompt in zip(sampling, prompts)]
     slots = slots or max_batch + 1
     eos = set(getattr(model.config, "eos_token_ids", ()) if eos_ids is None else eos_ids) if stop_at_eos else set()
     device = next(model.parameters()).device
@@ -122,38 +122,31 @@ def generate(
         caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
     else:
         _check_caches(model, caches, slots, max_seq)
+    engine = Engine(model, caches, slots=slots, max_seq=max_seq, max_batch=max_batch, chunk=chunk, eos_ids=eos)
     result = Generation([Sequence(list(p)) for p in prompts])
     governor = ThreadGovernor(threads)
     try:
         t_start = time.perf_counter()
-        for g in range(0, len(prompts), max_batch):
-            group = result.sequences[g : g + max_batch]
-            t0 = time.perf_counter()
+        for i, (p, s) in enumerate(zip(prompts, result.sequences)):
+            call = None if on_token is None else (lambda r, i=i, s=s: on_token(i, s))
+            request = engine.submit(
+                list(p), len(forced[i]) if forced is not None else max_new_tokens, sampling[i] if sampling is not None else None,
+                on_token=call, keep_logits=keep_logits, forced=None if forced is None else forced[i],
+            )  # fmt: skip
+            # The sequence is the request's record: the same lists, filled as it runs.
+            request.new_ids, request.logits, request.choices = s.new_ids, s.logits, s.choices
+            s.request = request
+        while not engine.idle:
             governor.step()
-            logits = model.prefill_batch([torch.tensor(s.prompt_ids, device=device) for s in group], list(range(len(group))), caches)
-            result.prefill_s += time.perf_counter() - t0
-            result.prefill_tokens += sum(len(s.prompt_ids) for s in group)
-            done = [False] * len(group)
-            ids = _next(logits, forced, g, 0, samplers, group, done)
-            done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g, forced)
-            if g == 0:
-                result.ttft_s = time.perf_counter() - t_start
-            t0 = time.perf_counter()
-            # Every row steps on, finished ones too (their tokens are dropped): the next ids
-            # are the last argmax and the positions one more, no tensors made from lists.
-            positions = torch.tensor([len(s.prompt_ids) for s in group], device=device)
-            for step in range(1, max_new_tokens):
-                if all(done):
-                    break
-                governor.step()
-                logits = model.decode(ids, positions, caches)  # [B, vocab]
-                ids = _next(logits, forced, g, step, samplers, group, done)
-                done = _append(group, ids.tolist(), logits, eos, keep_logits, done, on_token, g, forced)
-                positions = positions + 1
-                result.decode_steps += 1
-            result.decode_s += time.perf_counter() - t0
+            engine.step()
     finally:
         governor.restore()
+    firsts = [s.request.first_token_at for s in result.sequences if s.request.first_token_at is not None]
+    result.ttft_s = min(firsts) - t_start if firsts else 0.0
+    stats = engine.stats
+    result.prefill_s, result.decode_s, result.prefill_tokens, result.decode_steps = stats.prefill_s, stats.decode_s, stats.prefill_tokens, stats.decode_steps
+    for s in result.sequences:
+        s.stopped = s.request.finish_reason == "stop" and not (s.new_ids and s.new_ids[-1] in eos)
     return result
 
 
@@ -171,34 +164,3 @@ def _check_caches(model: CausalLM, caches: dict, slots: int, max_seq: int) -> No
                 f"caches[{kind!r}]: shape {have[0]} (leading dims), expected {tuple(shape[:-1])}, as "
                 f"model.allocate_caches({slots}, {max_seq}) makes it (slots {slots}, max_seq {max_seq})"
             )
-
-
-def _next(logits: torch.Tensor, forced, first: int, step: int, samplers=None, group=(), done=()) -> torch.Tensor:
-    """The tokens a step takes: the argmax, each row's sampler's choice, or the forced ones
-    (a finished row: any)."""
-    if samplers is not None and forced is None:
-        ids = logits.argmax(dim=-1)
-        for i, (s, finished) in enumerate(zip(group, done)):
-            if not finished:
-                choice = samplers[first + i].choose(logits[i])
-                ids[i] = choice.token
-                if choice.logprob is not None:
-                    s.choices.append(choice)
-        return ids
-    if forced is None:
-        return logits.argmax(dim=-1)
-    rows = forced[first : first + logits.shape[0]]
-    return torch.tensor([f[step] if step < len(f) else 0 for f in rows], device=logits.device)
-
-
-def _append(group, next_ids: list[int], logits, eos, keep_logits, done, on_token, first: int, forced=None) -> list[bool]:
-    out = []
-    for i, (s, token, row, finished) in enumerate(zip(group, next_ids, logits, done)):
-        if not finished:
-            s.new_ids.append(token)
-            if keep_logits:
-                s.logits.append(row.clone())
-            if on_token is not None and on_token(first + i, s):
-                s.stopped = True
-        out.append(finished or s.stopped or token in eos or (forced is not None and len(s.new_ids) == len(forced[first + i])))
-    return out

@@ -208,7 +208,10 @@ class Session:
 
     def _kwargs(self, max_batch: int | None = None) -> dict:
         b = self.bundle
-        return dict(max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, eos_ids=self.defaults.eos_token_ids, threads=self.threads)
+        return dict(
+            max_batch=max_batch or b.max_batch, max_seq=b.max_seq, slots=b.cache_slots, eos_ids=self.defaults.eos_token_ids, threads=self.threads,
+            chunk=max(b.manifest.shapes.chunk),  # a step prefills at most the largest chunk graph's rows
+        )  # fmt: skip
 
     def _max_batch(self, asked: int | None) -> int | None:
         if asked is not None and not 1 <= asked <= self.bundle.max_batch:

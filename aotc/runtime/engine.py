@@ -1,0 +1,252 @@
+"""Continuous batching over a model's static buckets: a request joins at the next step
+and leaves when it is done.
+
+The engine owns a model (eager, or bound to a bundle) and its caches, and runs one step
+at a time (`step()`), in the thread that calls it. Each cache slot but the last holds at
+most one request; the last is the scratch slot that padding rows write. A step:
+
+    1. frees the slots of finished and aborted requests; waiting requests take free
+       slots, first come first served;
+    2. one decode call over every decoding row, row i in slot i (the dispatcher pads them
+       to the smallest batch bucket and context bucket that hold them, padding rows
+       writing the scratch slot), each row's next token chosen by its request's sampler;
+    3. one prefill chunk: the oldest prefilling request's next tokens, then as many of
+       the not yet started requests as fit, packed into the same chunk
+       (models/packing.py: only a chunk's first sequence continues one the cache holds).
+       A request whose prompt ends in the chunk gets its first token.
+
+Decode first, then one chunk: a long prompt delays the running streams by at most one
+chunk per step (vllm-neuron's and vLLM's chunked-prefill order), and with nothing
+decoding, chunks run back to back. A finished row leaves at once, and a new request
+joins at the next step, where static groups kept every row stepping until the whole
+group ended and new prompts waiting for the next group.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import AotcError
+from ..models.base import CausalLM
+from .sampling import Choice, Sampler, SamplingParams
+
+GREEDY = SamplingParams()
+DEFAULT_CHUNK = 128  # prompt tokens per step where no bundle says (the eager model, which takes any length)
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt in the engine: what was asked, and what it has produced so far."""
+
+    id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler | None  # None: greedy, no logprobs (the argmax of the step's row)
+    on_token: Callable[["Request"], bool | None] | None  # after each new token; True ends the request (a stop string)
+    keep_logits: bool = False
+    forced: list[int] | None = None  # teacher forcing: these tokens, in place of the chosen ones
+    new_ids: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
+    choices: list[Choice] = field(default_factory=list)  # per new token, with logprobs (if asked for)
+    finish_reason: str | None = None  # "stop": a stop token or on_token ended it; "length"; "abort"
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    first_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def position(self) -> int:
+        """The position of the token the next decode reads (the last one chosen)."""
+        return len(self.prompt_ids) + len(self.new_ids) - 1
+
+
+@dataclass
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    steps: int = 0
+
+
+class Engine:
+    """Continuous batching (module docstring) over `model` and its `caches` (allocated for
+    `slots` cache slots, the last the scratch slot, and `max_seq` positions). max_batch:
+    the most rows decoding at once (at most slots - 1: the bundle's largest batch bucket).
+    chunk: the most prompt tokens one step prefills (the bundle's prefill chunk)."""
+
+    def __init__(self, model: CausalLM, caches: dict, *, slots: int, max_seq: int, max_batch: int | None = None,
+                 chunk: int = 128, eos_ids: Iterable[int] = ()):  # fmt: skip
+        if slots < 2:
+            raise AotcError(f"slots: {slots}; expected at least 2 (one request and the scratch slot)")
+        self.model, self.caches, self.max_seq, self.chunk = model, caches, max_seq, chunk
+        self.max_batch = min(max_batch or slots - 1, slots - 1)
+        self.eos = frozenset(eos_ids)
+        self.device = next(model.parameters()).device
+        self.free = list(range(self.max_batch))  # the scratch slot (slots - 1) is never handed out
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[Request] = []  # in the order they took their slots
+        self.decoding: list[Request] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        # The last decode's chosen tokens and positions, as tensors, while no request has
+        # joined or left the decoding rows since: the next decode's inputs without a list.
+        self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- requests ---------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, *,
+               on_token: Callable[[Request], bool | None] | None = None, keep_logits: bool = False,
+               forced: list[int] | None = None) -> Request:  # fmt: skip
+        """Queue a request; refused here (AotcError naming the limit) where it cannot run."""
+        if not prompt_ids:
+            raise AotcError("prompt: empty; a request needs at least one prompt token")
+        if max_tokens < 1:
+            raise AotcError(f"max_tokens: {max_tokens}; expected at least 1")
+        if len(prompt_ids) + max_tokens > self.max_seq:
+            raise AotcError(
+                f"prompt of {len(prompt_ids)} tokens with max_tokens {max_tokens} is {len(prompt_ids) + max_tokens} "
+                f"positions, more than max_seq {self.max_seq}; shorten the prompt or lower max_tokens"
+            )
+        sampling = sampling or GREEDY
+        sampler = None if sampling.greedy and sampling.logprobs is None else Sampler(sampling, prompt_ids)
+        request = Request(next(self._ids), list(prompt_ids), max_tokens, sampler, on_token, keep_logits, forced)
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """End a request; its slot is free for the next step's requests."""
+        if not request.done:
+            request.finish_reason = "abort"
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.decoding)
+
+    def run(self) -> None:
+        """Step until every request is done."""
+        while not self.idle:
+            self.step()
+
+    # -- one step ---------------------------------------------------------------
+    def step(self) -> None:
+        self._release()
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            if request.done:  # aborted while waiting
+                continue
+            request.slot = self.free.pop(0)
+            self.prefilling.append(request)
+        if self.decoding:
+            self._decode()
+        if self.prefilling:
+            self._prefill()
+        elif not self.decoding and self.waiting:  # a bug of the engine's, not the caller's
+            raise RuntimeError(f"engine stuck: {len(self.waiting)} requests wait and no slot is free or in use (free: {self.free})")
+        self.stats.steps += 1
+
+    def _release(self) -> None:
+        for group in (self.prefilling, self.decoding):
+            if any(r.done for r in group):
+                self.free = sorted(self.free + [r.slot for r in group if r.done])
+                group[:] = [r for r in group if not r.done]
+                self._carry = None
+
+    def _decode(self) -> None:
+        # Row i of a decode graph is cache slot i, and its attention reads slots 0..B-1 as a
+        # view (no gather of whole cache lines). So a step decodes slots 0 to the highest
+        # decoding one; a slot in that range that is not decoding is a dead row, whose output
+        # is dropped and whose write lands where its slot's owner writes before it reads: a
+        # free slot's position 0, a prefilling request's next position. Slots are taken
+        # lowest first, so dead rows are the holes that leaving requests make, until the next
+        # requests fill them.
+        rows = self.decoding  # in slot order
+        b = rows[-1].slot + 1
+        if self._carry is not None:
+            ids, positions = self._carry[0], self._carry[1] + 1
+        elif b == len(rows):
+            ids = torch.tensor([r.new_ids[-1] for r in rows], device=self.device)
+            positions = torch.tensor([r.position for r in rows], device=self.device)
+        else:
+            owner = {r.slot: r for r in rows}
+            filling = {r.slot: r.prefilled for r in self.prefilling}
+            ids = torch.tensor([owner[s].new_ids[-1] if s in owner else 0 for s in range(b)], device=self.device)
+            positions = torch.tensor([owner[s].position if s in owner else filling.get(s, 0) for s in range(b)], device=self.device)
+        t0 = time.perf_counter()
+        logits = self.model.decode(ids, positions, self.caches)  # [B, vocab]
+        chosen = self._take(rows, logits if b == len(rows) else logits[[r.slot for r in rows]])
+        # Lists cost half of a step's host work (tens of microseconds): while the same rows
+        # decode on, the next step takes these tensors.
+        self._carry = (chosen, positions) if chosen is not None and b == len(rows) else None
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+
+    def _prefill(self) -> None:
+        # The oldest request's next tokens first (it may continue what the cache holds), then
+        # requests not yet started, each from position 0, while the chunk has room.
+        pieces, room = [], self.chunk
+        for request in self.prefilling:
+            if room == 0 or (pieces and request.prefilled):
+                break
+            n = min(room, len(request.prompt_ids) - request.prefilled)
+            pieces.append((request, request.prefilled, n))
+            room -= n
+        t0 = time.perf_counter()
+        ids = [torch.tensor(r.prompt_ids[start : start + n], device=self.device) for r, start, n in pieces]
+        logits = self.model.prefill_batch(ids, [r.slot for r, _, _ in pieces], self.caches, start=pieces[0][1])
+        finished, rows = [], []
+        for i, (request, start, n) in enumerate(pieces):
+            request.prefilled = start + n
+            self.stats.prefill_tokens += n
+            if request.prefilled == len(request.prompt_ids):
+                finished.append(request)
+                rows.append(i)
+        if finished:
+            self._take(finished, logits[rows])
+            self.prefilling = [r for r in self.prefilling if r not in finished]
+            self.free = sorted(self.free + [r.slot for r in finished if r.done])  # its first token ended it
+            started = [r for r in finished if not r.done]
+            if started:
+                self.decoding = sorted(self.decoding + started, key=lambda r: r.slot)
+                self._carry = None
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _take(self, rows: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's next token from its row of logits [rows, vocab]; ends the rows that are
+        done. Returns the tokens as a tensor where that is the argmax's own (every row greedy)."""
+        argmax = logits.argmax(dim=-1)
+        greedy = argmax.tolist()
+        now = time.perf_counter()
+        plain = True
+        for i, (request, token) in enumerate(zip(rows, greedy)):
+            if request.done:  # aborted during the step
+                continue
+            if request.forced is not None:
+                token, plain = request.forced[len(request.new_ids)], False
+            elif request.sampler is not None:
+                choice = request.sampler.choose(logits[i])
+                token, plain = choice.token, False
+                if choice.logprob is not None:
+                    request.choices.append(choice)
+            request.new_ids.append(token)
+            if request.first_token_at is None:
+                request.first_token_at = now
+            if request.keep_logits:
+                request.logits.append(logits[i].float().clone())
+            stopped = request.on_token is not None and request.on_token(request)
+            if request.forced is not None:
+                if len(request.new_ids) == len(request.forced):
+                    request.finish_reason = "length"
+            elif stopped or token in self.eos:
+                request.finish_reason = "stop"
+            elif len(request.new_ids) == request.max_tokens:
+                request.finish_reason = "length"
+        return argmax if plain else torch.tensor([r.new_ids[-1] for r in rows], device=self.device)
