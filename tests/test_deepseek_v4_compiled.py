@@ -119,11 +119,14 @@ def test_v4_builds_and_matches_eager(request, v4_dir, tmp_path, backend):
     bundle = Bundle.load(result.out)
     vocab = load_model(v4_dir, weights=False).config.vocab_size
     ps = prompts(vocab)
-    # batch 3 padded into bucket 4 (and the long prompt in 6 chunks), then batch 1 across
-    # the context bucket boundary: decode at positions 252..255 reads 256 positions, at 256 all 1024.
+    # Three prompts, the long one prefilled in 6 chunks of 128 (the engine: runtime/engine.py),
+    # then one across the context bucket boundary: decode at positions 252..255 reads 256
+    # positions, at 256 all 1024. While the long prompt prefills (steps 1 to 6), the first
+    # decodes alone at positions under 256 (its 5 decodes, steps 2 to 6); from step 7 the long
+    # one and the last decode together (slot 0 a dead row), reading all 1024.
     used = {}
     check_against_eager(bundle, v4_dir, [ps, [ps[1][:252]]], bound=lambda model, i: used.setdefault(i, record_contexts(model.model.layers[1].decode)))
-    assert used[0] == [1024] * (NEW_TOKENS - 1) and used[1] == [256] * 4 + [1024]
+    assert used[0] == [256] * (NEW_TOKENS - 1) + [1024] * (NEW_TOKENS - 1) and used[1] == [256] * 4 + [1024], used
     # Bound, the checkpoint's expert weights are views into the stacked graph input: one copy.
     loaded = load_model(v4_dir)
     bundle.bind(loaded.model)

@@ -228,5 +228,5 @@ def test_generate_asks_the_governor_before_every_step_and_restores(tiny_dir, mon
     before = torch.get_num_threads()
     model = load_model(tiny_dir).model
     gen = generate_mod.generate(model, [[5, 6, 7], [8, 9]], 6, max_batch=2, max_seq=64, stop_at_eos=False, threads=1)
-    assert made[0].fixed and made[0].steps == 1 + gen.decode_steps == 6  # the group's prefill, then 5 decode steps
+    assert made[0].fixed and made[0].steps == 1 + gen.decode_steps == 6  # the prompts' prefill, then 5 decode steps
     assert torch.get_num_threads() == before

@@ -151,6 +151,7 @@ class Engine:
             self._prefill()
         elif not self.decoding and self.waiting:  # a bug of the engine's, not the caller's
             raise RuntimeError(f"engine stuck: {len(self.waiting)} requests wait and no slot is free or in use (free: {self.free})")
+        self._release()  # what ended in this step: the engine is idle as soon as the last one is done
         self.stats.steps += 1
 
     def _release(self) -> None:
