@@ -192,6 +192,12 @@ def test_a_stop_string_across_three_tokens_never_streams_and_ends_the_completion
         session.generate(["a"], stop=[""])
 
 
+def test_stop_strings_without_a_tokenizer_are_refused_naming_the_folder(session, monkeypatch):
+    monkeypatch.setattr(session, "tokenizer", None)  # a folder without tokenizer.json: token-id prompts only
+    with pytest.raises(AotcError, match=r"stop: \['x'\]: stop strings are matched on the text, and .* has no tokenizer.json"):
+        session.generate([[5, 6]], stop=["x"])
+
+
 def test_caches_are_allocated_once(tiny_bundle):
     with Session.open(tiny_bundle.out) as s:
         caches = s._caches

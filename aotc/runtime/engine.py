@@ -55,6 +55,7 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
     choices: list[Choice] = field(default_factory=list)  # per new token, with logprobs (if asked for)
     finish_reason: str | None = None  # "stop": a stop token or on_token ended it; "length"; "abort"
+    stopped: bool = False  # on_token ended it (a stop string)
     slot: int | None = None
     prefilled: int = 0  # prompt tokens in the cache
     first_token_at: float | None = None
@@ -242,11 +243,11 @@ class Engine:
                 request.first_token_at = now
             if request.keep_logits:
                 request.logits.append(logits[i].float().clone())
-            stopped = request.on_token is not None and request.on_token(request)
+            request.stopped = bool(request.on_token is not None and request.on_token(request))
             if request.forced is not None:
                 if len(request.new_ids) == len(request.forced):
                     request.finish_reason = "length"
-            elif stopped or token in self.eos:
+            elif request.stopped or token in self.eos:
                 request.finish_reason = "stop"
             elif len(request.new_ids) == request.max_tokens:
                 request.finish_reason = "length"

@@ -146,7 +146,7 @@ def generate(
     stats = engine.stats
     result.prefill_s, result.decode_s, result.prefill_tokens, result.decode_steps = stats.prefill_s, stats.decode_s, stats.prefill_tokens, stats.decode_steps
     for s in result.sequences:
-        s.stopped = s.request.finish_reason == "stop" and not (s.new_ids and s.new_ids[-1] in eos)
+        s.stopped = s.request.stopped
     return result
 
 
