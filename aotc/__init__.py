@@ -8,7 +8,9 @@ docs/models.md, "Bring your own model".
 
 The public API for running a bundle: `Session.open(bundle)`, then
 `session.generate(prompts)` (Completions; `stream=True`: TokenEvents; `sampling=
-SamplingParams(...)`, `stop=[...]`); see docs/python-api.md.
+SamplingParams(...)`, `stop=[...]`); `session.service()` takes requests from
+threads and asyncio tasks as a server does (`Service.submit` returns a `Handle`); see
+docs/python-api.md and docs/engine.md.
 """
 
 __version__ = "0.1.0"
@@ -20,6 +22,7 @@ from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
 from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
 from .runtime.sampling import SamplingParams  # noqa: E402
+from .runtime.service import Handle, QueueFull, Service  # noqa: E402
 from .runtime.session import Completion, Session, TokenEvent  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "ModelConfig", "SCRATCH_SLOT", "SamplingParams", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]
+__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "Handle", "ModelConfig", "QueueFull", "SCRATCH_SLOT", "SamplingParams", "Service", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]

@@ -51,6 +51,7 @@ class Request:
     on_token: Callable[["Request"], bool | None] | None  # after each new token; True ends the request (a stop string)
     keep_logits: bool = False
     forced: list[int] | None = None  # teacher forcing: these tokens, in place of the chosen ones
+    stop_ids: frozenset[int] = frozenset()  # the model's eos ids and the request's own stop token ids
     new_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per new token, [vocab] float32 (if kept)
     choices: list[Choice] = field(default_factory=list)  # per new token, with logprobs (if asked for)
@@ -104,10 +105,19 @@ class Engine:
         self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- requests ---------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, *,
-               on_token: Callable[[Request], bool | None] | None = None, keep_logits: bool = False,
-               forced: list[int] | None = None) -> Request:  # fmt: skip
-        """Queue a request; refused here (AotcError naming the limit) where it cannot run."""
+    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, **more) -> Request:
+        """Queue a request (request()'s arguments); refused here where it cannot run."""
+        request = self.request(prompt_ids, max_tokens, sampling, **more)
+        self.add(request)
+        return request
+
+    def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, *,
+                on_token: Callable[[Request], bool | None] | None = None, keep_logits: bool = False,
+                forced: list[int] | None = None, stop_ids: Iterable[int] = ()) -> Request:  # fmt: skip
+        """A request, checked, not yet queued (add()): refused (AotcError naming the limit)
+        where it cannot run. It reads nothing that steps change, so another thread may call
+        it while the engine steps (runtime.service). stop_ids: token ids that end it, beside
+        the model's eos ids."""
         if not prompt_ids:
             raise AotcError("prompt: empty; a request needs at least one prompt token")
         if max_tokens < 1:
@@ -119,9 +129,12 @@ class Engine:
             )
         sampling = sampling or GREEDY
         sampler = None if sampling.greedy and sampling.logprobs is None else Sampler(sampling, prompt_ids)
-        request = Request(next(self._ids), list(prompt_ids), max_tokens, sampler, on_token, keep_logits, forced)
+        stops = self.eos | frozenset(stop_ids)
+        return Request(next(self._ids), list(prompt_ids), max_tokens, sampler, on_token, keep_logits, forced, stops)
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by request(): it takes a slot at a step when one is free."""
         self.waiting.append(request)
-        return request
 
     def abort(self, request: Request) -> None:
         """End a request; its slot is free for the next step's requests."""
@@ -247,7 +260,7 @@ class Engine:
             if request.forced is not None:
                 if len(request.new_ids) == len(request.forced):
                     request.finish_reason = "length"
-            elif request.stopped or token in self.eos:
+            elif request.stopped or token in request.stop_ids:
                 request.finish_reason = "stop"
             elif len(request.new_ids) == request.max_tokens:
                 request.finish_reason = "length"

@@ -56,7 +56,7 @@ class Completion:
     prompt_ids: list[int]
     ids: list[int]  # the new tokens
     text: str | None  # their text, special tokens left out, cut before a stop string (None: no tokenizer.json)
-    finish_reason: str  # "stop": a stop token (the last id) or stop string ended it; "length": max_new_tokens did
+    finish_reason: str  # "stop": a stop token (the last id) or stop string ended it; "length": max_new_tokens did; "abort": a Service handle was aborted
     logprobs: list[Choice] | None = None  # per new token, where SamplingParams.logprobs asked for them
 
 
@@ -94,6 +94,7 @@ class Session:
         # Allocated once, for every generate(): a sequence writes each position before any step reads it.
         self._caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, bundle.device, split=True)
         self._eager = None
+        self._service = None  # the open Service, which owns the model and caches while it runs
         self._load_s, self._setup_s = bundle.load_s, time.perf_counter() - t0
 
     @classmethod
@@ -174,6 +175,8 @@ class Session:
         check=True: the Completions' .check is this generation checked against the eager
         model under the fidelity rule (check()), greedy only; on a parallel bundle, rank 0
         checks and the other ranks' .check is None."""
+        if self._service is not None:
+            raise AotcError("this Session's service is running and owns its caches: submit to it (service.submit), or close it first")
         ids = self._prompts(prompts, chat)
         new = self._new_tokens(ids, max_new_tokens)
         batch = self._max_batch(max_batch)
@@ -189,9 +192,24 @@ class Session:
         A parallel bundle's rank 0 checks against the whole eager model; the others get None."""
         return self.generate(prompts, max_new_tokens=max_new_tokens, chat=chat, check=True).check
 
+    def service(self, *, max_waiting: int | None = None):
+        """This Session's engine on a thread of its own, taking requests from any thread or
+        asyncio task (runtime.service.Service: submit() returns a handle to iterate, await
+        or abort), as a server runs it. One at a time; while it runs, generate() is refused.
+        max_waiting: the most requests waiting for a slot; one more is refused (QueueFull)."""
+        from .service import Service
+
+        self.model  # a closed Session says so
+        if self._service is not None:
+            raise AotcError("this Session already has a service running; close it before opening another")
+        self._service = Service(self, max_waiting=max_waiting)
+        return self._service
+
     def close(self) -> None:
         """Unbind the model and let go of it and its caches; a rank of a parallel bundle
-        leaves its process group."""
+        leaves its process group. An open service is closed first, aborting what runs."""
+        if self._service is not None:
+            self._service.close(timeout=0)
         if self._loaded is not None:
             Bundle.unbind(self._loaded.model)
             if self.world_size > 1:
