@@ -249,6 +249,21 @@ def test_overhead_rows_are_each_layer_count_and_batch(bench):
     assert by[2, 1] == by[4, 1] and by[2, 8] == by[4, 8]  # the runtime's work per step does not grow with the layers
 
 
+def test_engine_runs_both_schedules_on_the_same_requests_and_rates_them(bench):
+    run, sections = bench
+    result = sections["engine"](run)
+    static, engine = result["rows"]
+    assert (static["run"], engine["run"]) == ("static groups", "engine") and static["bundle"] == engine["bundle"] == "aotc export"
+    asked = sum(result["max tokens"])  # greedy with no stop token: every request runs to its own length
+    assert static["output tokens"] == engine["output tokens"] == asked and engine["tokens as static groups'"] == result["requests"]
+    assert math.isclose(result["rate requests/s"], 1.5 * result["capacity requests/s"])
+    assert all(b > a for a, b in zip(result["arrivals s"], result["arrivals s"][1:]))
+    assert math.isclose(engine["tokens/s vs static"], engine["tokens/s"] / static["tokens/s"])
+    assert math.isclose(engine["TTFT p99 vs static"], engine["TTFT p99 ms"] / static["TTFT p99 ms"])
+    for r in (static, engine):
+        assert math.isclose(r["tokens/s"], r["output tokens"] / r["makespan s"]) and r["TTFT p50 ms"] <= r["TTFT p99 ms"]
+
+
 @pytest.mark.slow
 def test_contention_runs_both_thread_policies_alone_and_beside_a_busy_loop(bench):
     run, sections = bench

@@ -42,8 +42,8 @@ def aotc(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aotc", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12) -> dict:
-    args = ["run", bundle, "--check", "--json", "--max-new-tokens", new_tokens, "--max-batch", 3]
+def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12, max_batch: int = 3) -> dict:
+    args = ["run", bundle, "--check", "--json", "--max-new-tokens", new_tokens, "--max-batch", max_batch]
     for p in prompts:
         args += ["--prompt", p]
     done = aotc(*args)
@@ -52,10 +52,10 @@ def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12) -> dict:
 
 
 def eager_tokens(model_dir: Path, report: dict, new_tokens: int) -> list[list[int]]:
-    """The unsharded eager model's greedy tokens for the report's prompts."""
+    """The unsharded eager model's greedy tokens for the report's prompts, each up to its stop token, as aotc run stops."""
     model = load_model(model_dir).model
     prompts = [p["prompt_ids"] for p in report["prompts"]]
-    got = generate(model, prompts, new_tokens, max_batch=len(prompts), max_seq=128, slots=5, stop_at_eos=False)
+    got = generate(model, prompts, new_tokens, max_batch=len(prompts), max_seq=128, slots=5)
     return [s.new_ids for s in got.sequences]
 
 
@@ -209,10 +209,13 @@ def test_each_rank_holds_half_the_split_weights_and_all_the_whole_ones(tp_bundle
 
 
 def test_two_local_ranks_generate_the_unsharded_eager_tokens(tp_bundle, tiny_dir):
-    report = run_json(tp_bundle.out, PROMPTS + ["Good morning"])  # --max-batch 3: a batch of 3, then one of 1
+    """Eight requests through each rank's engine, four decoding at a time: each joins as
+    another leaves, and every rank takes the same steps."""
+    prompts = PROMPTS + ["Good morning", "a b c d e f g h i j k l m n o p q r s t", "Why?", "The sea is", "Count: 1 2 3 4 5 6 7 8 9 10 11 12"]
+    report = run_json(tp_bundle.out, prompts, max_batch=4)
     assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
     assert report["check"]["max_logit_diff"] <= LOGIT_ATOL["export"]
-    assert len(report["prompts"][1]["prompt_ids"]) > 2 * 16  # over two chunks
+    assert len(report["prompts"]) == 8 and len(report["prompts"][1]["prompt_ids"]) > 2 * 16  # over two chunks
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
 
 
