@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aotc import AotcError, SamplingParams, Session
+from aotc.models.base import load_model
 from aotc.runtime.engine import Engine
 
 CHUNK = 64  # tiny_bundle's largest prefill chunk (conftest: batch buckets 1, 2, 4, chunks 16 and 64, max_seq 256)
@@ -76,13 +77,20 @@ def test_a_seeded_request_samples_the_same_alone_and_among_seven_others(session)
     assert mine.new_ids == alone and solo(session, ids, 16).new_ids != alone  # it sampled
 
 
-def test_no_running_stream_waits_more_than_two_steps_while_a_long_prompt_prefills(session):
-    engine = engine_of(session)
-    running = [engine.submit(prompt(8, i), 40) for i in range(3)]
+@pytest.mark.parametrize("where, long_prompt", [("bundle", 200), ("eager", 600)])
+def test_no_running_stream_waits_more_than_two_steps_while_a_long_prompt_prefills(session, tiny_dir, where, long_prompt):
+    """The bundle's max_seq is 256; the 600-token prompt runs on the eager model (the
+    schedule is the engine's, whatever runs the steps) with caches of 1024 positions."""
+    if where == "bundle":
+        engine = engine_of(session)
+    else:
+        model = load_model(tiny_dir).model
+        engine = Engine(model, model.allocate_caches(5, 1024), slots=5, max_seq=1024, chunk=CHUNK)
+    running = [engine.submit(prompt(8, i), 60) for i in range(3)]
     for _ in range(3):
         engine.step()
     assert all(len(r.new_ids) >= 1 for r in running)
-    long = engine.submit(prompt(200, 7), 8)  # four chunks of 64
+    long = engine.submit(prompt(long_prompt, 7), 8)  # chunks of 64
     got = {id(r): [] for r in running}
     step = 0
     while not long.new_ids:
@@ -90,7 +98,7 @@ def test_no_running_stream_waits_more_than_two_steps_while_a_long_prompt_prefill
         step += 1
         for r in running:
             got[id(r)].append(len(r.new_ids))
-    assert step == 4  # one chunk per step
+    assert step == -(-long_prompt // CHUNK)  # one chunk per step
     for counts in got.values():  # a token at every step of the prefill
         assert all(b - a == 1 for a, b in zip(counts, counts[1:])), counts
 
