@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aotc import parallel
+from aotc import SamplingParams, parallel
 from aotc.build import BuildOptions, build
 from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
@@ -373,6 +373,71 @@ def test_a_session_program_under_torchrun_generates_the_eager_tokens(tp_bundle, 
     assert len(printed) == 1  # rank 0 prints
     ids = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode("Once upon a time").ids
     assert json.loads(printed[0]) == eager_tokens(tiny_dir, {"prompts": [{"prompt_ids": ids}]}, 8)[0]
+
+
+SERVICE_PROGRAM = """\
+import json, sys, threading
+from aotc import AotcError, SamplingParams, Session
+
+PROMPTS = ["Hello, world!", "Once upon a time there was a small model that learned to count: one, two, three", "Hi",
+           "Good morning", "a b c d e f g h i j k l m n o p", "Why?", "The sea is", "Count: 1 2 3 4 5 6 7 8 9 10"]
+with Session.open(sys.argv[1]) as session:
+    if session.rank != 0:  # this rank's own choices are wrong: it must take rank 0's tokens
+        for name in ("decode", "prefill_batch"):
+            method = getattr(session.model, name)
+            setattr(session.model, name, lambda *a, method=method, **k: method(*a, **k).flip(-1))
+    service = session.service()
+    if session.rank != 0:
+        try:
+            service.submit("hi")
+        except AotcError as e:
+            print("refused:", e, file=sys.stderr)
+    else:
+        handles = [None] * len(PROMPTS)
+        def ask(i):
+            handles[i] = service.submit(PROMPTS[i], max_tokens=10)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        greedy = [h.result(60) for h in handles]
+        stop = session.tokenizer.decode(greedy[2].ids[:4])[-2:]
+        stopped = service.submit(PROMPTS[2], max_tokens=10, stop=[stop])
+        after = [service.submit(p, max_tokens=10) for p in PROMPTS[:3]]  # they step beside it, and on after it ends
+        seeded = service.submit(PROMPTS[0], max_tokens=10, sampling=SamplingParams(temperature=0.9, seed=4)).result(60)
+        unseeded = service.submit(PROMPTS[0], max_tokens=10, sampling=SamplingParams(temperature=0.9)).result(60)
+        print(json.dumps({"prompt_ids": [g.prompt_ids for g in greedy], "greedy": [g.ids for g in greedy], "stop": stop,
+                          "stopped": [stopped.result(60).text, stopped.result().finish_reason, greedy[2].text],
+                          "after": [h.result(60).ids for h in after], "seeded": seeded.ids, "unseeded": len(unseeded.ids)}))
+    service.close()  # rank 0's ends the other ranks' too
+"""
+
+
+def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_with_it(tp_bundle, tiny_dir, tmp_path):
+    """A service program under torchrun: rank 0 takes 8 requests from 8 threads, a stop
+    string that ends a request there alone (the other rank ends it at the next step), a
+    seeded and an unseeded sampled request; the other rank follows its plans, and takes
+    rank 0's tokens (its own logits are made wrong). Each greedy request gives the
+    unsharded eager tokens; the seeded one eager's sampled tokens."""
+    program = tmp_path / "program.py"
+    program.write_text(SERVICE_PROGRAM)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(tp_bundle.out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: this is rank 1 of 2: submit requests on rank 0" in done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    got = json.loads(line)
+    report = {"prompts": [{"prompt_ids": ids} for ids in got["prompt_ids"]]}
+    eager = eager_tokens(tiny_dir, report, 10)
+    assert got["greedy"] == eager and got["after"] == eager[:3]
+    text, reason, whole = got["stopped"]
+    assert reason == "stop" and got["stop"] in whole and text == whole[: whole.index(got["stop"])]
+    model = load_model(tiny_dir).model
+    sampled = generate(model, got["prompt_ids"][:1], 10, max_batch=1, max_seq=128, slots=5, sampling=[SamplingParams(temperature=0.9, seed=4)])
+    assert got["seeded"] == sampled.sequences[0].new_ids and got["unseeded"] >= 1
 
 
 def test_a_killed_rank_of_a_session_program_ends_the_launch_naming_it(tp_bundle, tmp_path):

@@ -103,6 +103,9 @@ class Engine:
         # The last decode's chosen tokens and positions, as tensors, while no request has
         # joined or left the decoding rows since: the next decode's inputs without a list.
         self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The ranks of a parallel service: agree(tokens) returns rank 0's tokens for the
+        # step's rows (a broadcast), so that every rank's requests go on alike.
+        self.agree: Callable[[list[int]], list[int]] | None = None
 
     # -- requests ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, **more) -> Request:
@@ -238,19 +241,25 @@ class Engine:
         """Each row's next token from its row of logits [rows, vocab]; ends the rows that are
         done. Returns the tokens as a tensor where that is the argmax's own (every row greedy)."""
         argmax = logits.argmax(dim=-1)
-        greedy = argmax.tolist()
-        now = time.perf_counter()
+        tokens = argmax.tolist()
         plain = True
-        for i, (request, token) in enumerate(zip(rows, greedy)):
+        for i, request in enumerate(rows):
             if request.done:  # aborted during the step
                 continue
             if request.forced is not None:
-                token, plain = request.forced[len(request.new_ids)], False
+                tokens[i], plain = request.forced[len(request.new_ids)], False
             elif request.sampler is not None:
                 choice = request.sampler.choose(logits[i])
-                token, plain = choice.token, False
+                tokens[i], plain = choice.token, False
                 if choice.logprob is not None:
                     request.choices.append(choice)
+        if self.agree is not None:  # the ranks of a parallel service: each takes rank 0's tokens
+            agreed = self.agree(tokens)
+            plain, tokens = plain and agreed == tokens, agreed
+        now = time.perf_counter()
+        for i, (request, token) in enumerate(zip(rows, tokens)):
+            if request.done:
+                continue
             request.new_ids.append(token)
             if request.first_token_at is None:
                 request.first_token_at = now

@@ -24,7 +24,10 @@ abort()) ends its request at the next step, and its slot goes to the next reques
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import queue
+import struct
 import threading
 import time
 from typing import Iterator, Sequence
@@ -38,6 +41,7 @@ from .session import Completion, Prompt, Session, TokenEvent, token_events
 from .threads import ThreadGovernor
 
 _END = object()  # a handle's last event: its request ended (or the engine failed)
+HEARTBEAT = 1.0  # s: an idle rank 0 plans an empty step this often, well within the process group's timeout
 
 
 class QueueFull(AotcError):
@@ -51,6 +55,7 @@ class Handle:
     def __init__(self, service: "Service", request: Request, emit, stops):
         self.id = request.id
         self.request = request
+        self.sampling: SamplingParams | None = None  # as the engine got it (on ranks, seeded)
         self._service, self._emit, self._stops = service, emit, stops
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._ended = threading.Event()
@@ -163,11 +168,6 @@ class Service:
     the most requests that may wait for a slot; one more is refused (QueueFull)."""
 
     def __init__(self, session: Session, *, max_waiting: int | None = None):
-        if session.world_size > 1:
-            raise AotcError(
-                f"{session.bundle.dir} runs on {session.world_size} ranks: a service needs rank 0 to plan each step "
-                "for every rank, which is not built yet; generate() runs parallel bundles"
-            )
         if max_waiting is not None and max_waiting < 0:
             raise AotcError(f"max_waiting: {max_waiting}; expected a count >= 0, or None for no limit")
         b = session.bundle
@@ -176,6 +176,7 @@ class Service:
             session.model, session._caches, slots=b.cache_slots, max_seq=b.max_seq, chunk=max(b.manifest.shapes.chunk),
             eos_ids=session.defaults.eos_token_ids,
         )  # fmt: skip
+        self.rank, self.world_size = session.rank, session.world_size
         self.error: BaseException | None = None  # what stopped the engine thread, if it failed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # submit's checks against close() and max_waiting
@@ -183,6 +184,11 @@ class Service:
         self._closing = False
         self._deadline: float | None = None  # close(timeout): when what is still running is aborted
         self._live: list[Handle] = []
+        self._new: list[Handle] = []  # taken since the last plan (rank 0 tells the other ranks)
+        self._aborted: list[int] = []  # the ids of requests aborted or stopped since the last plan
+        if self.world_size > 1:  # a parallel bundle: rank 0 plans each step and picks the tokens
+            self._plan = _Plan(self.engine.device)
+            self.engine.agree = self._agree
         self._thread = threading.Thread(target=self._loop, name="aotc-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +201,8 @@ class Service:
         the model's stop tokens, any of stop_token_ids, or where its text reaches one of the
         stop strings. Refused here (AotcError) where it cannot run; from any thread."""
         s = self.session
+        if self.rank != 0:
+            raise AotcError(f"this is rank {self.rank} of {self.world_size}: submit requests on rank 0; the other ranks follow its plan")
         ids = s.encode(prompt, chat)
         new = max_tokens if max_tokens is not None else s.defaults.max_new_tokens
         if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -204,9 +212,12 @@ class Service:
         if bad:
             raise AotcError(f"stop_token_ids: {bad[0]!r} is not a token id of the model's vocabulary (0 to {vocab - 1})")
         stops = s._stops(stop)
+        if self.world_size > 1 and sampling is not None and sampling.seed is None:  # the other ranks draw alike (they take rank 0's tokens, too)
+            sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         request = self.engine.request(ids, new, sampling, stop_ids=stop_token_ids)
         emit, texts = token_events(s.tokenizer, 1, new, request.stop_ids, stops, lambda event: handle._push(event))
         handle = Handle(self, request, emit, texts)
+        handle.sampling = sampling
         request.on_token = handle._token if emit is not None else None
         with self._lock:
             if self.error is not None:
@@ -230,6 +241,8 @@ class Service:
         self._inbox.put(("wake", None))
         self._thread.join()
         self.session._service = None
+        if self.rank != 0 and self.error is not None:  # rank 0's handles report it; here nothing else would
+            raise AotcError(f"rank {self.rank}'s engine failed: {self.error}") from self.error
 
     def __enter__(self) -> "Service":
         return self
@@ -242,20 +255,7 @@ class Service:
         governor = ThreadGovernor(self.session.threads)
         try:
             with torch.no_grad():
-                while True:
-                    self._take(block=self.engine.idle)
-                    if self._closing and (self.engine.idle or self._past_deadline()):
-                        if not self.engine.idle:
-                            for h in self._live:
-                                self.engine.abort(h.request)
-                            self.engine.step()  # frees their slots
-                        self._finish()
-                        return
-                    if self.engine.idle:
-                        continue
-                    governor.step()
-                    self.engine.step()
-                    self._finish()
+                (self._lead if self.rank == 0 else self._follow)(governor)
         except BaseException as e:  # every reader gets it; new requests are refused naming it
             with self._lock:
                 self.error = e
@@ -266,8 +266,61 @@ class Service:
         finally:
             governor.restore()
 
+    def _lead(self, governor: ThreadGovernor) -> None:
+        """Rank 0 (or the only rank): take what callers sent, tell the other ranks (a plan),
+        step, hand out what ended."""
+        while True:
+            self._take(block=self.engine.idle)
+            closing = self._closing and (self.engine.idle or self._past_deadline())
+            if closing:
+                for h in self._live:  # past the deadline: what still runs is aborted
+                    self._abort(h.request)
+            if self.world_size > 1:
+                self._plan.send(self._new, self._aborted, closing)
+            self._new, self._aborted = [], []
+            if not self.engine.idle:
+                governor.step()
+                self.engine.step()
+            self._finish()
+            if closing:
+                return
+
+    def _follow(self, governor: ThreadGovernor) -> None:
+        """Another rank: rank 0's plan, then the same step (its graphs' collectives with it)."""
+        mine: dict[int, Request] = {}
+        while True:
+            new, aborted, closing = self._plan.receive()
+            for ids, max_tokens, sampling, stop_ids, rid in new:
+                request = self.engine.request(ids, max_tokens, sampling, stop_ids=stop_ids)
+                if request.id != rid:
+                    raise AotcError(f"rank {self.rank} numbered a request {request.id} where rank 0 numbered it {rid}; the ranks' plans differ")
+                mine[rid] = request
+                self.engine.add(request)
+            for rid in aborted:
+                if rid in mine:
+                    self.engine.abort(mine[rid])
+            if not self.engine.idle:
+                governor.step()
+                self.engine.step()
+            mine = {rid: r for rid, r in mine.items() if not r.done}
+            if closing:
+                return
+
+    def _abort(self, request: Request) -> None:
+        if not request.done:
+            self.engine.abort(request)
+        self._aborted.append(request.id)
+
+    def _agree(self, tokens: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        chosen = torch.tensor(tokens, dtype=torch.int64, device=self.engine.device)
+        dist.broadcast(chosen, src=0)
+        return chosen.tolist()
+
     def _take(self, block: bool) -> None:
-        """What callers sent: new requests into the engine, aborts; blocks for one when asked."""
+        """What callers sent: new requests into the engine, aborts; blocks for one when asked
+        (on ranks, for at most HEARTBEAT s: the other ranks wait in a collective meanwhile)."""
         while True:
             try:
                 kind, handle = self._inbox.get(timeout=self._wait()) if block else self._inbox.get_nowait()
@@ -278,12 +331,15 @@ class Service:
                 with self._lock:
                     self._queued -= 1
                 self._live.append(handle)
+                self._new.append(handle)
                 self.engine.add(handle.request)
             elif kind == "abort":
-                self.engine.abort(handle.request)
+                self._abort(handle.request)
 
     def _wait(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        waits = [self._deadline - time.monotonic()] if self._deadline is not None else []
+        waits += [HEARTBEAT] if self.world_size > 1 else []
+        return max(0.0, min(waits)) if waits else None
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
@@ -293,4 +349,77 @@ class Service:
         if ended:
             self._live = [h for h in self._live if not h.request.done]
             for h in ended:
+                if h.request.stopped:  # a stop string, which only rank 0 reads: the others end it at the next step
+                    self._aborted.append(h.id)
                 h._end(self.session.tokenizer)
+
+
+class _Plan:
+    """Rank 0's word to the other ranks before each step, as int64 tensors broadcast from
+    rank 0: a header of HEADER ints (closing, new requests, aborted ones, the body's
+    length), then the body where it does not fit in the header's rest. A new request is
+    its id, its lengths, max_tokens, its SamplingParams (floats as their 64 bits), its
+    prompt and its stop token ids."""
+
+    HEADER = 64
+
+    def __init__(self, device):
+        self.device = device
+
+    def send(self, new: list[Handle], aborted: list[int], closing: bool) -> None:
+        body = []
+        for h in new:
+            r = h.request
+            body += [r.id, len(r.prompt_ids), r.max_tokens, len(r.stop_ids), *_params(h.sampling), *r.prompt_ids, *sorted(r.stop_ids)]
+        body += aborted
+        self._broadcast([int(closing), len(new), len(aborted), len(body)], body)
+
+    def receive(self) -> tuple[list, list[int], bool]:
+        closing, n_new, n_aborted, body = self._broadcast(None, None)
+        new, at = [], 0
+        for _ in range(n_new):
+            rid, n, max_tokens, n_stop = body[at : at + 4]
+            at += 4
+            sampling = _sampling(body[at : at + len(_FIELDS)])
+            at += len(_FIELDS)
+            ids, stop = body[at : at + n], body[at + n : at + n + n_stop]
+            at += n + n_stop
+            new.append((ids, max_tokens, sampling, stop, rid))
+        return new, body[at : at + n_aborted], bool(closing)
+
+    def _broadcast(self, head: list[int] | None, body: list[int] | None):
+        import torch.distributed as dist
+
+        header = torch.zeros(self.HEADER, dtype=torch.int64, device=self.device)
+        inline = self.HEADER - 4
+        if head is not None:
+            header[:4] = torch.tensor(head)
+            if len(body) <= inline:
+                header[4 : 4 + len(body)] = torch.tensor(body, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        closing, n_new, n_aborted, length = header[:4].tolist()
+        if length <= inline:
+            return closing, n_new, n_aborted, header[4 : 4 + length].tolist()
+        rest = torch.tensor(body, dtype=torch.int64, device=self.device) if head is not None else torch.empty(length, dtype=torch.int64, device=self.device)
+        dist.broadcast(rest, src=0)
+        return closing, n_new, n_aborted, rest.tolist()
+
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+
+
+def _params(sampling: SamplingParams | None) -> list[int]:
+    """A request's SamplingParams as int64s: floats as their bits, None as -1."""
+    p = sampling or SamplingParams()
+    out = []
+    for name in _FIELDS:
+        v = getattr(p, name)
+        out.append(-1 if v is None else v if isinstance(v, int) and not isinstance(v, bool) and name in ("top_k", "seed", "logprobs") else struct.unpack("<q", struct.pack("<d", float(v)))[0])
+    return out
+
+
+def _sampling(values: list[int]) -> SamplingParams:
+    fields = {}
+    for name, v in zip(_FIELDS, values):
+        fields[name] = (None if v == -1 else v) if name in ("top_k", "seed", "logprobs") else struct.unpack("<d", struct.pack("<q", v))[0]
+    return SamplingParams(**fields)
