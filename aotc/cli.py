@@ -662,6 +662,52 @@ class _Stream:
             console.file.flush()
 
 
+@app.command(short_help="Serve a bundle over the OpenAI API (completions, chat, streaming).")
+def serve(
+    path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or Hugging Face Hub id (ORG/NAME) with the weights (default: the one the bundle was built from)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of --model ORG/NAME."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only; 0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port to listen on (0: any free one, printed)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients send (default: the bundle folder's name)."),
+    api_key: list[str] = typer.Option([], "--api-key", show_default=False, help="KEY: requests must send Authorization: Bearer KEY; repeat for several keys (default: none needed). /health and /metrics are open."),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests that may wait while every cache slot is taken; one more gets 429 with Retry-After."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds a SIGTERM lets running requests finish (new ones get 503); streams still running then end with an error event and the exit status is 1."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel (default: the CPUs that other processes leave free)."),
+    expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest is this one."),
+    plugin: list[str] = PLUGIN,
+):
+    """An OpenAI-compatible server over a bundle: /v1/completions and /v1/chat/completions
+    (streaming or not, sampling, stop strings, usage), /v1/models, /tokenize, /detokenize,
+    /health and /metrics (docs/serving.md). Requests batch continuously on the bundle's
+    cache slots. SIGTERM drains: exit 0 once every running request has ended."""
+    from .format import read_manifest
+
+    try:
+        try:
+            from .server.run import serve as run_server
+        except ImportError as e:
+            raise AotcError(f"aotc serve needs the serve extra ({e.name} is missing): pip install 'aotc[serve]'") from None
+        layout = read_manifest(path).parallel
+        if layout.world_size > 1:
+            raise AotcError(
+                f"{path} runs on {layout.world_size} ranks: aotc serve does not start ranks yet. Serve it from a program "
+                "under torchrun with Session.service() (docs/engine.md), or build it without --tensor-parallel"
+            )
+        from .runtime.session import Session
+
+        session = Session.open(path, model, revision=revision, threads=threads, expect_digest=expect_digest, plugins=plugin)
+    except AotcError as e:
+        _fail(e)
+    name = served_model_name or Path(path).resolve().name
+    try:
+        status = run_server(session, name=name, host=host, port=port, api_keys=api_key, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
+                            ready=lambda address: console.print(f"serving {name} on http://{address} (slots {session.bundle.max_batch}, max_seq {session.bundle.max_seq})", highlight=False))  # fmt: skip
+    finally:
+        session.close()
+    raise typer.Exit(status)
+
+
 @app.command(short_help="Run every artifact against eager, on the model's own inputs.")
 def verify(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),

@@ -284,7 +284,7 @@ def test_help_lists_a_line_per_command_and_names_values_in_words():
     said = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
     commands = [line for line in said.split("Commands")[1].splitlines() if line.startswith("│")]
     names = [line.split()[1] for line in commands]
-    assert names == ["quantize", "build", "run", "verify", "bisect", "inspect", "init", "cache"], commands
+    assert names == ["quantize", "build", "run", "serve", "verify", "bisect", "inspect", "init", "cache"], commands
     for command in ([], ["build"], ["run"], ["verify"], ["bisect"], ["inspect"], ["quantize"], ["cache", "key"], ["init", "tiny"]):
         options = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output.split("Options")[1]
         shown = re.findall(r"│ (--[\w-]+)[ ,\w-]*?\s+(<[\w\[\]]+>)", options)

@@ -112,7 +112,7 @@ def test_what_cannot_run_is_refused_in_the_callers_thread(session):
         pass
     with pytest.raises(AotcError, match="this service is closed"):
         service.submit("hi")
-    with session.service(max_waiting=2) as service:
+    with session.service(max_waiting=2) as service:  # 4 slots, and 2 more waiting
         with pytest.raises(AotcError, match="is empty"):
             service.submit("")
         with pytest.raises(AotcError, match="more than max_seq 256"):
@@ -128,8 +128,8 @@ def test_what_cannot_run_is_refused_in_the_callers_thread(session):
         first = service.submit("hi", max_tokens=50)
         gate = gated(service, lambda: True)
         next(iter(first))  # the engine is held after its first step
-        queued = [service.submit("hi", max_tokens=4) for _ in range(2)]  # the engine has not seen them
-        with pytest.raises(QueueFull, match=r"2 requests already wait for a slot \(max_waiting 2\)"):
+        queued = [service.submit("hi", max_tokens=4) for _ in range(5)]  # the engine has not seen them
+        with pytest.raises(QueueFull, match=r"1 requests run and 5 wait for a slot \(4 slots, max_waiting 2\)"):
             service.submit("hi", max_tokens=4)
         gate.set()
         assert all(h.result(30).finish_reason == "length" for h in queued)

@@ -105,3 +105,6 @@ _.check_archive
 # Engine.abort: a request cancelled while it waits, prefills or decodes (tests/test_engine.py;
 # a server's client that leaves).
 _.abort
+
+# uvicorn.Server.should_exit: uvicorn's main loop reads it; the drain sets it to end serving.
+_.should_exit

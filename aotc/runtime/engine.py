@@ -116,11 +116,12 @@ class Engine:
 
     def request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, *,
                 on_token: Callable[[Request], bool | None] | None = None, keep_logits: bool = False,
-                forced: list[int] | None = None, stop_ids: Iterable[int] = ()) -> Request:  # fmt: skip
+                forced: list[int] | None = None, stop_ids: Iterable[int] = (), ignore_eos: bool = False) -> Request:  # fmt: skip
         """A request, checked, not yet queued (add()): refused (AotcError naming the limit)
         where it cannot run. It reads nothing that steps change, so another thread may call
         it while the engine steps (runtime.service). stop_ids: token ids that end it, beside
-        the model's eos ids."""
+        the model's eos ids (ignore_eos: instead of them, so that it runs to max_tokens but
+        for these, as a benchmark's fixed lengths need)."""
         if not prompt_ids:
             raise AotcError("prompt: empty; a request needs at least one prompt token")
         if max_tokens < 1:
@@ -132,7 +133,7 @@ class Engine:
             )
         sampling = sampling or GREEDY
         sampler = None if sampling.greedy and sampling.logprobs is None else Sampler(sampling, prompt_ids)
-        stops = self.eos | frozenset(stop_ids)
+        stops = frozenset(stop_ids) if ignore_eos else self.eos | frozenset(stop_ids)
         return Request(next(self._ids), list(prompt_ids), max_tokens, sampler, on_token, keep_logits, forced, stops)
 
     def add(self, request: Request) -> None:

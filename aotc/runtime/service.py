@@ -30,7 +30,7 @@ import queue
 import struct
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,9 @@ class Handle:
         self.id = request.id
         self.request = request
         self.sampling: SamplingParams | None = None  # as the engine got it (on ranks, seeded)
+        self.shed = False  # ended before it took a slot, by Service.shed()
+        self.on_time: Callable[[float], None] | None = None  # on the engine thread: each token's time (perf_counter)
+        self.on_end: Callable[[], None] | None = None  # on the engine thread, once the request has ended
         self._service, self._emit, self._stops = service, emit, stops
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._ended = threading.Event()
@@ -141,6 +144,8 @@ class Handle:
 
     # -- the engine thread's side --------------------------------------------------------
     def _token(self, request: Request) -> bool:
+        if self.on_time is not None:
+            self.on_time(time.perf_counter())
         return self._emit(0, request)
 
     def _push(self, item) -> None:
@@ -159,13 +164,16 @@ class Handle:
             self._completion = Completion(r.prompt_ids, r.new_ids, text, r.finish_reason, r.choices or None)
         self._error = error
         self._ended.set()
+        if self.on_end is not None:
+            self.on_end()
         self._push(_END)
 
 
 class Service:
     """A Session's engine, stepped on a thread of its own (module docstring). Open it with
     session.service(); close it (or leave its `with`) to stop the thread. max_waiting:
-    the most requests that may wait for a slot; one more is refused (QueueFull)."""
+    the most requests that may wait while every slot is taken; one more is refused
+    (QueueFull)."""
 
     def __init__(self, session: Session, *, max_waiting: int | None = None):
         if max_waiting is not None and max_waiting < 0:
@@ -194,12 +202,12 @@ class Service:
 
     def submit(
         self, prompt: Prompt, *, max_tokens: int | None = None, chat: bool = False, sampling: SamplingParams | None = None,
-        stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
     ) -> Handle:  # fmt: skip
         """Queue a prompt (text, token ids, or chat messages; chat=True sends text as a user
         turn) for up to max_tokens new tokens (default: generation_config.json's). It ends at
-        the model's stop tokens, any of stop_token_ids, or where its text reaches one of the
-        stop strings. Refused here (AotcError) where it cannot run; from any thread."""
+        the model's stop tokens (unless ignore_eos), any of stop_token_ids, or where its text
+        reaches one of the stop strings. Refused here (AotcError) where it cannot run; from any thread."""
         s = self.session
         if self.rank != 0:
             raise AotcError(f"this is rank {self.rank} of {self.world_size}: submit requests on rank 0; the other ranks follow its plan")
@@ -214,7 +222,7 @@ class Service:
         stops = s._stops(stop)
         if self.world_size > 1 and sampling is not None and sampling.seed is None:  # the other ranks draw alike (they take rank 0's tokens, too)
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(8), "little") >> 1)
-        request = self.engine.request(ids, new, sampling, stop_ids=stop_token_ids)
+        request = self.engine.request(ids, new, sampling, stop_ids=stop_token_ids, ignore_eos=ignore_eos)
         emit, texts = token_events(s.tokenizer, 1, new, request.stop_ids, stops, lambda event: handle._push(event))
         handle = Handle(self, request, emit, texts)
         handle.sampling = sampling
@@ -224,12 +232,34 @@ class Service:
                 raise AotcError(f"the engine failed and takes no more requests: {self.error}") from self.error
             if self._closing:
                 raise AotcError("this service is closed; open another with session.service()")
-            waiting = self._queued + len(self.engine.waiting)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFull(f"{waiting} requests already wait for a slot (max_waiting {self.max_waiting}); try again later")
+            running, waiting = self.counts()
+            if self.max_waiting is not None and running + waiting >= self.engine.max_batch + self.max_waiting:
+                raise QueueFull(
+                    f"{running} requests run and {waiting} wait for a slot ({self.engine.max_batch} slots, max_waiting "
+                    f"{self.max_waiting}); try again later"
+                )
             self._queued += 1
             self._inbox.put(("submit", handle))
         return handle
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting): requests holding a slot, and those waiting for one."""
+        e = self.engine
+        return len(e.prefilling) + len(e.decoding), self._queued + len(e.waiting)
+
+    def alive(self, timeout: float = 5.0) -> bool:
+        """Whether the engine thread answers within `timeout` s, between two steps: false
+        while a step hangs, or after the engine failed or was closed."""
+        if self.error is not None or not self._thread.is_alive():
+            return False
+        answered = threading.Event()
+        self._inbox.put(("ping", answered))
+        return answered.wait(timeout)
+
+    def shed(self) -> None:
+        """End every request that waits for a slot (finish_reason "abort", handle.shed), at
+        the next step: a server that drains sheds what has not started."""
+        self._inbox.put(("shed", None))
 
     def close(self, timeout: float | None = None) -> None:
         """Take no more requests; let those submitted run to their end (for at most
@@ -335,6 +365,13 @@ class Service:
                 self.engine.add(handle.request)
             elif kind == "abort":
                 self._abort(handle.request)
+            elif kind == "ping":
+                handle.set()
+            elif kind == "shed":
+                for h in self._live:
+                    if h.request.slot is None:
+                        h.shed = True
+                        self._abort(h.request)
 
     def _wait(self) -> float | None:
         waits = [self._deadline - time.monotonic()] if self._deadline is not None else []

@@ -196,7 +196,8 @@ class Session:
         """This Session's engine on a thread of its own, taking requests from any thread or
         asyncio task (runtime.service.Service: submit() returns a handle to iterate, await
         or abort), as a server runs it. One at a time; while it runs, generate() is refused.
-        max_waiting: the most requests waiting for a slot; one more is refused (QueueFull)."""
+        max_waiting: the most requests waiting while every slot is taken; one more is
+        refused (QueueFull)."""
         from .service import Service
 
         self.model  # a closed Session says so

@@ -1,0 +1,249 @@
+"""aotc serve, as a real process on 127.0.0.1, judged by real clients: the openai SDK with
+strict response validation, and httpx for raw bodies, streams and dropped sockets. One
+server for the module (the tiny export bundle: 4 slots, max_seq 256); SIGTERM on a
+server of its own, last. Where a test needs the server in a state (slots taken, a
+request waiting), it waits for /metrics to say so, within a bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from aotc import SamplingParams, Session
+
+KEY = "sk-test-aotc"
+NAME = "tiny"
+
+
+class Served:
+    def __init__(self, bundle, *more):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aotc.cli", "serve", str(bundle), "--port", "0", "--served-model-name", NAME, "--api-key", KEY, *more],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        line = self.proc.stdout.readline()  # "serving tiny on http://127.0.0.1:PORT ...", once it listens
+        found = re.search(r"http://([\d.]+:\d+)", line)
+        assert found, line + self.proc.stderr.read()
+        self.url = f"http://{found.group(1)}"
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, _strict_response_validation=True, timeout=60)
+        # openai-python types a completion choice's finish_reason as never null, so its strict
+        # mode refuses every chunk but the last of a completions stream, OpenAI's own included
+        # (they send null, as vLLM does): those streams are read leniently, and checked raw.
+        self.lenient = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = self.http.get("/metrics").text
+        found = re.search(rf"^aotc:{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def wait_for(self, what, bound: float = 30.0) -> None:
+        """Until what() holds (it reads /metrics), for at most `bound` s."""
+        end = time.monotonic() + bound
+        while not what():
+            assert time.monotonic() < end, "the server never reached the state the test waits for"
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_bundle):
+    s = Served(tiny_bundle.out, "--max-queue", "2")
+    yield s
+    assert s.stop() == 0, s.proc.stderr.read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def session(tiny_bundle):
+    with Session.open(tiny_bundle.out) as s:
+        yield s
+
+
+def greedy_text(session, prompt, n, chat=False, **kw):
+    return session.generate([prompt], max_new_tokens=n, chat=chat, **kw)[0]
+
+
+def test_completions_and_chat_parse_strictly_and_give_the_sessions_tokens(served, session):
+    c = served.client
+    assert [m.id for m in c.models.list().data] == [NAME]
+    done = c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0)
+    alone = greedy_text(session, "The capital of France is", 12)
+    assert done.choices[0].text == alone.text and done.usage.completion_tokens == len(alone.ids) and done.choices[0].finish_reason == alone.finish_reason
+    streamed = list(served.lenient.completions.create(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == alone.text
+    _, lines = stream(served, "The capital of France is", 12)
+    raw = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
+    assert {r["object"] for r in raw} == {"text_completion"} and [r["choices"][0]["finish_reason"] for r in raw] == [None] * (len(raw) - 1) + [alone.finish_reason]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = c.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10, temperature=0)
+    alone = greedy_text(session, messages, 10)
+    assert chat.choices[0].message.content == alone.text and chat.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks[:-2]] == [None] * (len(chunks) - 2)  # null until the last
+    last, usage = chunks[-2], chunks[-1]
+    assert last.choices[0].finish_reason == chat.choices[0].finish_reason and last.choices[0].delta.content is None
+    assert usage.choices == [] and usage.usage == chat.usage
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1]) == chat.choices[0].message.content
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    seeded = [c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=7).choices[0].text for _ in range(2)]
+    sampled = greedy_text(session, "Once upon a time", 12, sampling=SamplingParams(temperature=0.9, seed=7))
+    assert seeded == [sampled.text] * 2 and sampled.ids != greedy_text(session, "Once upon a time", 12).ids
+
+    whole = greedy_text(session, "The capital of France is", 12).text
+    stop = whole[3:9]  # a stop string across tokens
+    pieces = [ch.choices[0].text for ch in served.lenient.completions.create(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0, stop=[stop], stream=True)]
+    assert stop not in "".join(pieces) and "".join(pieces) == whole[: whole.index(stop)]
+    done = c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=12, temperature=0, stop=stop)
+    assert done.choices[0].text == "".join(pieces) and done.choices[0].finish_reason == "stop"
+
+    top = c.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = top.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob for t in content)
+
+
+def test_tokenize_and_detokenize_are_the_models_tokenizer(served, session):
+    ids = session.encode("Hello there, world")
+    assert served.http.post("/tokenize", json={"prompt": "Hello there, world"}).json() == {"tokens": ids, "count": len(ids), "max_model_len": 256}
+    assert served.http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == session.tokenizer.decode(ids)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": -1}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p"),
+    (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', 400, "stream"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 1000000000000}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "echo"),
+    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": []}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": [1, 99999]}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": ""}', 400, "prompt"),
+    (b'{"model": "tiny"}', 400, "prompt"),
+    (b'{"prompt": "hi"}', 400, "model"),
+    (b'{"model": "other", "prompt": "hi"}', 404, "model"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": ""}', 400, "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "stop_token_ids": [-5]}', 400, "stop_token_ids"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 99}', 400, "logprobs"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": -1}', 400, "seed"),
+    (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
+    (json.dumps({"model": "tiny", "prompt": "hi", "stop": ["x"] * 1000}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny", "prompt": list(range(3, 400)) * 2500}).encode(), 400, "prompt"),  # 10^6 token ids
+    (b'{"model": "tiny", "prompt": "' + b"a " * (5 << 20) + b'"}', 413, None),
+    (b"[]", 400, None),
+    (b"null", 400, None),
+]
+BAD_CHAT = [
+    (b'{"model": "tiny", "messages": []}', 400, "messages"),
+    (b'{"model": "tiny", "messages": [{"content": "hi"}]}', 400, "messages[0].role"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400, "top_logprobs"),
+]
+
+
+def test_bad_bodies_get_4xx_in_openais_shape_and_the_server_stays_up(served):
+    asks = [("/v1/completions", body, status, param) for body, status, param in BAD] + [("/v1/chat/completions", body, status, param) for body, status, param in BAD_CHAT]
+    for path, body, status, param in asks:
+        r = served.http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (body[:80], r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        if param is not None:
+            assert error["param"] == param, (body[:80], error)
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": NAME, "prompt": "hi"})  # no key
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert served.http.get("/v1/completions").status_code == 405 and served.http.get("/nowhere").status_code == 404
+    assert served.http.get("/health").status_code == 200
+    assert served.client.completions.create(model=NAME, prompt="still up", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+def stream(served, prompt: str, max_tokens: int, **more):
+    """An open streaming request: (response, its SSE lines). Long ones run to max_tokens
+    (ignore_eos): they hold their slot until then, or until the client leaves."""
+    more.setdefault("ignore_eos", max_tokens > 100)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **more}
+    request = served.http.build_request("POST", "/v1/completions", json=body)
+    response = served.http.send(request, stream=True)
+    return response, (line for line in response.iter_lines() if line.startswith("data: "))
+
+
+ABORTED = 'request_success_total{finished_reason="abort",model_name="tiny"}'
+
+
+def test_clients_that_leave_free_their_slots_and_a_burst_of_four_gets_four(served):
+    generated, aborted = served.metric("generation_tokens_total"), served.metric(ABORTED)
+    for i in range(20):  # each leaves after i % 5 tokens: 0 is before the first
+        response, lines = stream(served, f"leave {i} " * (1 + i % 7), 200)
+        for _ in range(i % 5):
+            next(lines)
+        response.close()
+
+    def leave(i):  # a non-streaming client that gives up waiting
+        with pytest.raises(httpx.ReadTimeout):
+            served.http.post("/v1/completions", json={"model": NAME, "prompt": f"slow {i}", "max_tokens": 200, "ignore_eos": True}, timeout=0.05)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(leave, range(4)))
+    served.wait_for(lambda: served.metric("num_requests_running") == 0 and served.metric("num_requests_waiting") == 0)
+    assert served.metric("generation_tokens_total") - generated < 24 * 200  # none ran to its end
+    assert served.metric(ABORTED) - aborted == 24
+    burst = [stream(served, f"burst {i}", 200) for i in range(4)]
+    for _, lines in burst:
+        next(lines)  # each has its first token, and none has ended: four slots at once
+    assert served.metric("num_requests_running") == 4 and served.metric("num_requests_waiting") == 0
+    for response, _ in burst:
+        response.close()
+    served.wait_for(lambda: served.metric("num_requests_running") == 0)
+
+
+def test_past_the_slots_and_the_queue_a_request_gets_429_at_once(served):
+    with ThreadPoolExecutor(6) as pool:  # a waiting stream's headers come with its first token
+        held = [pool.submit(stream, served, f"hold {i}", 200) for i in range(6)]  # 4 slots, and 2 waiting (--max-queue 2)
+        served.wait_for(lambda: served.metric("num_requests_running") == 4 and served.metric("num_requests_waiting") == 2)
+        r = served.http.post("/v1/completions", json={"model": NAME, "prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            served.client.completions.create(model=NAME, prompt="one more", max_tokens=2)
+        for opened in held:  # the running ones first: their slots go to the waiting ones
+            opened.result(60)[0].close()
+    served.wait_for(lambda: served.metric("num_requests_running") == 0 and served.metric("num_requests_waiting") == 0)
+
+
+def test_sigterm_drains_running_streams_sheds_waiting_ones_and_exits_0(tiny_bundle):
+    s = Served(tiny_bundle.out, "--max-queue", "4", "--shutdown-timeout", "60")
+    try:
+        running = [stream(s, f"drain {i}", 230) for i in range(4)]
+        for _, lines in running:
+            next(lines)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(s.http.post, "/v1/completions", json={"model": NAME, "prompt": "queued", "max_tokens": 4})
+            s.wait_for(lambda: s.metric("num_requests_waiting") == 1)
+            s.proc.send_signal(signal.SIGTERM)
+            shed = waiting.result(30)
+        assert shed.status_code == 503 and shed.json()["error"]["code"] == "shutting_down"
+        assert s.http.get("/health").status_code == 503
+        assert s.http.post("/v1/completions", json={"model": NAME, "prompt": "new", "max_tokens": 2}).status_code == 503
+        for response, lines in running:
+            rest = list(lines)
+            assert rest[-1] == "data: [DONE]" and json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
