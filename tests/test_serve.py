@@ -20,16 +20,18 @@ import openai
 import pytest
 
 from aotc import SamplingParams, Session
+from aotc.build import BuildOptions, build
 
 KEY = "sk-test-aotc"
 NAME = "tiny"
+QUEUE = 28  # the module server's --max-queue: 32 requests at once, 4 running and 28 waiting
 
 
 class Served:
-    def __init__(self, bundle, *more):
+    def __init__(self, bundle, *more, env=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aotc.cli", "serve", str(bundle), "--port", "0", "--served-model-name", NAME, "--api-key", KEY, *more],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200", **(env or {})},
         )  # fmt: skip
         line = self.proc.stdout.readline()  # "serving tiny on http://127.0.0.1:PORT ...", once it listens
         found = re.search(r"http://([\d.]+:\d+)", line)
@@ -61,15 +63,23 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_bundle):
-    s = Served(tiny_bundle.out, "--max-queue", "2")
+def bundle(tiny_dir, tmp_path_factory):
+    """tiny_bundle's buckets (its graphs come from the compile cache) and decode graphs that
+    read the first 64 positions too: 4 slots, two context buckets."""
+    out = tmp_path_factory.mktemp("serve") / "tiny"
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256, context_buckets=(64,), backend="export")).out
+
+
+@pytest.fixture(scope="module")
+def served(bundle):
+    s = Served(bundle, "--max-queue", str(QUEUE))
     yield s
     assert s.stop() == 0, s.proc.stderr.read()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def session(tiny_bundle):
-    with Session.open(tiny_bundle.out) as s:
+def session(bundle):
+    with Session.open(bundle) as s:
         yield s
 
 
@@ -118,6 +128,36 @@ def test_completions_and_chat_parse_strictly_and_give_the_sessions_tokens(served
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob for t in content)
 
 
+def test_32_concurrent_streams_over_4_slots_each_give_their_solo_text(served, session):
+    """Prompts of 3 to 200 tokens and 8 to 40 new ones, across the 64-position context
+    bucket. A text that differs from its solo run's is allowed only where the solo run
+    met a near-tie (a top-2 gap under the fidelity rule's tolerance), and is printed."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    asks = [(torch.randint(3, 500, (int(n),), generator=g).tolist(), int(m)) for n, m in zip(torch.randint(3, 201, (32,), generator=g), torch.randint(8, 41, (32,), generator=g))]
+
+    def ask(item):
+        ids, m = item
+        body = {"model": NAME, "prompt": ids, "max_tokens": m, "temperature": 0, "stream": True}
+        with served.http.stream("POST", "/v1/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(ask, asks))
+    differ = 0
+    for (ids, m), text in zip(asks, got):
+        alone = greedy_text(session, ids, m, sampling=SamplingParams(logprobs=2))
+        if text != alone.text:
+            gap = min(c.top[0][1] - c.top[1][1] for c in alone.logprobs)
+            print(f"a prompt of {len(ids)} tokens differs from its solo run, whose smallest top-2 gap is {gap:.2e}")
+            assert gap <= 1e-3, (len(ids), text, alone.text)
+            differ += 1
+    assert differ <= 2
+
+
 def test_tokenize_and_detokenize_are_the_models_tokenizer(served, session):
     ids = session.encode("Hello there, world")
     assert served.http.post("/tokenize", json={"prompt": "Hello there, world"}).json() == {"tokens": ids, "count": len(ids), "max_model_len": 256}
@@ -150,18 +190,59 @@ BAD = [
     (b'{"model": "tiny", "prompt": "' + b"a " * (5 << 20) + b'"}', 413, None),
     (b"[]", 400, None),
     (b"null", 400, None),
+    (b'{"model": "tiny", "prompt": "hi", "top_k": "x"}', 400, "top_k"),
+    (b'{"model": "tiny", "prompt": "hi", "top_k": -2}', 400, "top_k"),
+    (b'{"model": "tiny", "prompt": "hi", "min_p": 2}', 400, "min_p"),
+    (b'{"model": "tiny", "prompt": "hi", "presence_penalty": "a"}', 400, "presence_penalty"),
+    (b'{"model": "tiny", "prompt": "hi", "frequency_penalty": []}', 400, "frequency_penalty"),
+    (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": 5}', 400, "stop"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": [1]}', 400, "stop[0]"),
+    (b'{"model": "tiny", "prompt": "hi", "stream_options": "x"}', 400, "stream_options"),
+    (b'{"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": "y"}}', 400, "stream_options.include_usage"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": 1.5}', 400, "seed"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": true}', 400, "logprobs"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 1e400}', 400, None),
+    (b'{"model": 5, "prompt": "hi"}', 400, "model"),
+    (b'{"model": "tiny", "prompt": 5}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": {"a": 1}}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": [[1, 2], [3]]}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": [true]}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n"),
+    (b'{"model": "tiny", "prompt": "hi", "best_of": 3}', 400, "best_of"),
+    (b'{"model": "tiny", "prompt": "hi"' + b', "x": 1' * 1000 + b"}", 200, None),  # unknown fields are ignored
 ]
 BAD_CHAT = [
     (b'{"model": "tiny", "messages": []}', 400, "messages"),
     (b'{"model": "tiny", "messages": [{"content": "hi"}]}', 400, "messages[0].role"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400, "top_logprobs"),
+    (b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "tiny", "messages": [1]}', 400, "messages[0]"),
+    (b'{"model": "tiny", "messages": [{"role": 5, "content": "hi"}]}', 400, "messages[0].role"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}', 400, "max_tokens"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}', 400, "logprobs"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": true}', 400, "top_logprobs"),
+]
+BAD_TOKENS = [
+    ("/tokenize", b'{"prompt": 5}', 400, "prompt"),
+    ("/tokenize", b"{}", 400, "prompt"),
+    ("/detokenize", b'{"tokens": [-1]}', 400, "tokens"),
+    ("/detokenize", b'{"tokens": "x"}', 400, "tokens"),
 ]
 
 
 def test_bad_bodies_get_4xx_in_openais_shape_and_the_server_stays_up(served):
-    asks = [("/v1/completions", body, status, param) for body, status, param in BAD] + [("/v1/chat/completions", body, status, param) for body, status, param in BAD_CHAT]
+    asks = [("/v1/completions", body, status, param) for body, status, param in BAD] + [("/v1/chat/completions", body, status, param) for body, status, param in BAD_CHAT] + BAD_TOKENS
+    assert len(asks) >= 50
     for path, body, status, param in asks:
+        if status == 200:
+            assert served.http.post(path, content=body).status_code == 200
+            continue
         r = served.http.post(path, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == status, (body[:80], r.status_code, r.text[:300])
         error = r.json()["error"]
@@ -215,9 +296,9 @@ def test_clients_that_leave_free_their_slots_and_a_burst_of_four_gets_four(serve
 
 
 def test_past_the_slots_and_the_queue_a_request_gets_429_at_once(served):
-    with ThreadPoolExecutor(6) as pool:  # a waiting stream's headers come with its first token
-        held = [pool.submit(stream, served, f"hold {i}", 200) for i in range(6)]  # 4 slots, and 2 waiting (--max-queue 2)
-        served.wait_for(lambda: served.metric("num_requests_running") == 4 and served.metric("num_requests_waiting") == 2)
+    with ThreadPoolExecutor(4 + QUEUE) as pool:  # a waiting stream's headers come with its first token
+        held = [pool.submit(stream, served, f"hold {i}", 200) for i in range(4 + QUEUE)]  # 4 slots, and the queue full
+        served.wait_for(lambda: served.metric("num_requests_running") == 4 and served.metric("num_requests_waiting") == QUEUE)
         r = served.http.post("/v1/completions", json={"model": NAME, "prompt": "one more", "max_tokens": 2})
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
         with pytest.raises(openai.RateLimitError):
@@ -227,8 +308,8 @@ def test_past_the_slots_and_the_queue_a_request_gets_429_at_once(served):
     served.wait_for(lambda: served.metric("num_requests_running") == 0 and served.metric("num_requests_waiting") == 0)
 
 
-def test_sigterm_drains_running_streams_sheds_waiting_ones_and_exits_0(tiny_bundle):
-    s = Served(tiny_bundle.out, "--max-queue", "4", "--shutdown-timeout", "60")
+def test_sigterm_drains_running_streams_sheds_waiting_ones_and_exits_0(bundle):
+    s = Served(bundle, "--max-queue", "4", "--shutdown-timeout", "60")
     try:
         running = [stream(s, f"drain {i}", 230) for i in range(4)]
         for _, lines in running:
@@ -245,5 +326,39 @@ def test_sigterm_drains_running_streams_sheds_waiting_ones_and_exits_0(tiny_bund
             rest = list(lines)
             assert rest[-1] == "data: [DONE]" and json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
         assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+
+
+# Loaded by the server's interpreter at start (sitecustomize, first on PYTHONPATH): once the
+# file the test names exists, every engine step raises, as a graph call that fails would.
+FAULT = """\
+import os, pathlib
+import aotc.runtime.engine as engine
+step = engine.Engine.step
+def failing(self):
+    if pathlib.Path(os.environ["AOTC_TEST_FAULT"]).exists():
+        raise RuntimeError("a graph call failed (injected by the test)")
+    return step(self)
+engine.Engine.step = failing
+"""
+
+
+def test_an_engine_fault_ends_open_streams_with_an_error_event_and_health_turns_503(bundle, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    fault = tmp_path / "fault"
+    s = Served(bundle, env={"PYTHONPATH": str(tmp_path), "AOTC_TEST_FAULT": str(fault)})
+    try:
+        open_streams = [stream(s, f"fault {i}", 200) for i in range(2)]
+        for _, lines in open_streams:
+            next(lines)
+        assert s.http.get("/health").status_code == 200
+        fault.touch()
+        for _, lines in open_streams:
+            last = json.loads(list(lines)[-1].removeprefix("data: "))
+            assert last["error"]["type"] == "server_error" and "a graph call failed (injected by the test)" in last["error"]["message"], last
+        assert s.http.get("/health").status_code == 503
+        r = s.http.post("/v1/completions", json={"model": NAME, "prompt": "after", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
     finally:
         s.stop()

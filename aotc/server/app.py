@@ -199,6 +199,8 @@ class Server:
         except QueueFull:
             raise
         except AotcError as e:
+            if self.service.error is not None:  # the engine failed: the server's fault, not the client's
+                raise ApiError(503, f"the engine failed and takes no more requests: {self.service.error}", type="server_error", code="engine_failed") from None
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
     def _refuse_if_shed(self, handle: Handle) -> None:
