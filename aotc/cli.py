@@ -553,7 +553,7 @@ def run_rank(**arguments) -> int:
     _options(verbose=False)  # as the command line would: --verbose reaches the ranks as VERBOSE_ENV
     try:
         run(**{**arguments, "path": Path(arguments["path"]), "messages": [Path(m) for m in arguments["messages"]]})
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:  # typer's own Exit is no click Exit (typer 0.20+)
         return e.exit_code
     return 0
 
@@ -680,8 +680,10 @@ def serve(
     """An OpenAI-compatible server over a bundle: /v1/completions and /v1/chat/completions
     (streaming or not, sampling, stop strings, usage), /v1/models, /tokenize, /detokenize,
     /health and /metrics (docs/serving.md). Requests batch continuously on the bundle's
-    cache slots. SIGTERM drains: exit 0 once every running request has ended."""
+    cache slots. SIGTERM drains: exit 0 once every running request has ended. A parallel
+    bundle runs as its local ranks, started and watched here; rank 0 serves."""
     from .format import read_manifest
+    from .parallel import joined_rank
 
     try:
         try:
@@ -689,16 +691,23 @@ def serve(
         except ImportError as e:
             raise AotcError(f"aotc serve needs the serve extra ({e.name} is missing): pip install 'aotc[serve]'") from None
         layout = read_manifest(path).parallel
-        if layout.world_size > 1:
-            raise AotcError(
-                f"{path} runs on {layout.world_size} ranks: aotc serve does not start ranks yet. Serve it from a program "
-                "under torchrun with Session.service() (docs/engine.md), or build it without --tensor-parallel"
-            )
+        if layout.world_size > 1 and joined_rank() is None:  # start the ranks; rank 0 serves
+            from .runtime.launch import launch
+
+            arguments = {n: v for n, v in locals().items() if n in SERVE_ARGUMENTS}
+            code, why = launch("aotc.cli:serve_rank", {**arguments, "path": str(path)}, layout.world_size, forward=True)
+            if why:
+                err_console.print(f"[red]error:[/] {escape(why)}; ended the other ranks", highlight=False)
+            raise typer.Exit(code)
         from .runtime.session import Session
 
         session = Session.open(path, model, revision=revision, threads=threads, expect_digest=expect_digest, plugins=plugin)
     except AotcError as e:
         _fail(e)
+    if session.rank != 0:  # its service steps with rank 0's, until rank 0's closes
+        session.service().close()
+        session.close()
+        raise typer.Exit(0)
     name = served_model_name or Path(path).resolve().name
     try:
         status = run_server(session, name=name, host=host, port=port, api_keys=api_key, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
@@ -706,6 +715,22 @@ def serve(
     finally:
         session.close()
     raise typer.Exit(status)
+
+
+SERVE_ARGUMENTS = ("model", "revision", "host", "port", "served_model_name", "api_key", "max_queue", "shutdown_timeout", "threads", "expect_digest", "plugin")
+
+
+def serve_rank(**arguments) -> int:
+    """One rank of `aotc serve` on a parallel bundle (the launcher's entry point): rank 0
+    serves, the others step with it; the exit status."""
+    import click
+
+    _options(verbose=False)
+    try:
+        serve(**{**arguments, "path": Path(arguments["path"])})
+    except (click.exceptions.Exit, typer.Exit) as e:  # typer's own Exit is no click Exit (typer 0.20+)
+        return e.exit_code
+    return 0
 
 
 @app.command(short_help="Run every artifact against eager, on the model's own inputs.")

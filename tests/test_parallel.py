@@ -440,6 +440,39 @@ def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_wi
     assert got["seeded"] == sampled.sequences[0].new_ids and got["unseeded"] >= 1
 
 
+def test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_them(tp_bundle, tiny_dir):
+    """aotc serve on a TP=2 bundle: 4 concurrent requests give the unsharded eager tokens;
+    SIGTERM drains through rank 0 and every rank ends, status 0. Another launch whose rank
+    1 is killed ends within 10 s, status 1, naming the rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    from .test_serve import NAME, Served
+
+    s = Served(tp_bundle.out)
+    try:
+        asks = ["Hello, world!", "Once upon a time", "Hi", "The sea is"]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: s.client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0), asks))
+        tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+        report = {"prompts": [{"prompt_ids": tokenizer.encode(p).ids} for p in asks]}
+        assert [g.choices[0].text for g in got] == [tokenizer.decode(ids) for ids in eager_tokens(tiny_dir, report, 8)]
+        assert s.stop() == 0, s.proc.stderr.read()[-3000:]
+    finally:
+        s.stop()
+    s = Served(tp_bundle.out)
+    try:
+        assert s.http.get("/health").status_code == 200
+        rank1 = _children(s.proc.pid)[1]
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        assert s.proc.wait(30) == 1 and time.monotonic() - killed < 10
+        assert "rank 1 was killed by SIGKILL" in s.proc.stderr.read()
+    finally:
+        s.stop()
+
+
 def test_a_killed_rank_of_a_session_program_ends_the_launch_naming_it(tp_bundle, tmp_path):
     """Rank 1 killed after opening (rank 0 then waits on it in the first collective):
     torchrun ends the launch within 10 s of the kill, naming rank 1 and its signal."""

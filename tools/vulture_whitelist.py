@@ -96,6 +96,7 @@ _.token_id
 # aotc run's rank entry point, named as "aotc.cli:run_rank" to runtime/launch.py, which
 # imports it by name in each rank's process.
 _.run_rank
+_.serve_rank  # aotc serve's, the same way
 
 # The export archive's check for a backend plugin that loads aotc's export archives itself
 # (tests/test_backend_seam.py's interpreter backend does); aotc's own export backend reads

@@ -6,8 +6,8 @@ process of its own (`python -m aotc.runtime.launch CALL`) with the environment
 torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). So a rank started here and one started by torchrun
 take one path: the function opens its Session (aotc.Session), which joins the
-launch. `aotc run` passes its own command (aotc.cli:run_rank); a server passes
-its own. Rank 0 writes to this terminal; the others' output is kept, and shown
+launch. `aotc run` passes its own command (aotc.cli:run_rank); `aotc serve` its own
+(aotc.cli:serve_rank), with SIGTERM forwarded to rank 0, whose drain ends the launch. Rank 0 writes to this terminal; the others' output is kept, and shown
 when that rank fails.
 
 Why not torch.distributed.elastic (torchrun's agent): its workers are not tied to
@@ -59,11 +59,13 @@ def threads_per_rank(local_world: int) -> int:
     return max(1, cpus // local_world)
 
 
-def launch(entry: str, arguments: dict, world_size: int, out=None) -> tuple[int, str | None]:
+def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool = False) -> tuple[int, str | None]:
     """Run entry(**arguments) ("module:function"; JSON-serializable arguments) as ranks
     0..world_size-1 and watch them. A rank's exit status is the int the function returns
     (None: 0). Returns (exit status, what went wrong or None): rank 0's status when every
-    rank ends by itself, else 1 with the rank that failed first."""
+    rank ends by itself, else 1 with the rank that failed first. forward: SIGTERM and
+    SIGINT sent to this process go to rank 0, which ends the launch its own way (a
+    server's drain), instead of ending every rank."""
     module, _, function = entry.partition(":")
     if not module or not function:
         raise ValueError(f"launch entry {entry!r}: expected 'module:function'")
@@ -72,6 +74,10 @@ def launch(entry: str, arguments: dict, world_size: int, out=None) -> tuple[int,
     call = Path(logs.name) / "call.json"
     call.write_text(json.dumps({"entry": entry, "arguments": arguments}))
     children: list[subprocess.Popen] = []
+    before = {}
+    if forward:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            before[sig] = signal.signal(sig, lambda sig, frame: children[0].send_signal(sig) if children else None)
     try:
         for rank in range(world_size):
             log = None if rank == 0 else open(Path(logs.name) / f"rank{rank}.log", "wb")
@@ -81,6 +87,8 @@ def launch(entry: str, arguments: dict, world_size: int, out=None) -> tuple[int,
             ))  # fmt: skip
         return _watch(children, logs.name)
     finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
         _end(children)
         logs.cleanup()
 
