@@ -267,6 +267,7 @@ def stream(served, prompt: str, max_tokens: int, **more):
 
 
 ABORTED = 'request_success_total{finished_reason="abort",model_name="tiny"}'
+LENGTH = 'request_success_total{finished_reason="length",model_name="tiny"}'
 
 
 def test_clients_that_leave_free_their_slots_and_a_burst_of_four_gets_four(served):
@@ -362,3 +363,39 @@ def test_an_engine_fault_ends_open_streams_with_an_error_event_and_health_turns_
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
     finally:
         s.stop()
+
+
+AIPERF = "aiperf==0.13.0"  # NVIDIA's load client (genai-perf's successor), in a venv of its own: its pins are not aotc's
+
+
+@pytest.mark.slow
+def test_aiperf_at_concurrency_16_with_cancellations_agrees_with_the_servers_counters(served, tiny_dir, request):
+    """aiperf, which no one here wrote: 64 streaming requests, 16 at a time, a tenth of them
+    cancelled by the client, prompts of the model's own tokenizer. Its only errors are its
+    cancellations, and the server's counters equal its counts."""
+    venv = request.config.cache.mkdir("aiperf-venv")
+    aiperf = venv / "bin" / "aiperf"
+    if not aiperf.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", AIPERF], check=True, timeout=900)
+    before = {k: served.metric(k) for k in ("generation_tokens_total", "prompt_tokens_total", LENGTH, ABORTED)}
+    out = request.config.cache.mkdir("aiperf-run")
+    args = [
+        str(aiperf), "profile", "--model", NAME, "--url", served.url, "--api-key", KEY, "--endpoint-type", "completions", "--streaming",
+        "--tokenizer", str(tiny_dir), "--synthetic-input-tokens-mean", "32", "--synthetic-input-tokens-stddev", "8", "--output-tokens-mean", "16",
+        "--extra-inputs", "ignore_eos:true", "--request-count", "64", "--concurrency", "16", "--request-cancellation-rate", "10",
+        "--workers-max", "1", "--record-processors", "1", "--ui-type", "none", "--artifact-dir", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads((out / "profile_export_aiperf.json").read_text())
+    errors = got.get("error_summary") or []
+    assert all(e["error_details"]["type"] == "RequestCancellationError" for e in errors), errors
+    cancelled = sum(e["count"] for e in errors)
+    assert got["request_count"]["avg"] + cancelled == 64
+    delta = {k: served.metric(k) - v for k, v in before.items()}
+    assert delta[LENGTH] == got["request_count"]["avg"] and delta[ABORTED] == cancelled
+    completed = got["total_usage_completion_tokens"]["avg"]
+    assert completed == 16 * got["request_count"]["avg"]  # ignore_eos: each ran to its max_tokens
+    assert 0 <= delta["generation_tokens_total"] - completed <= 16 * cancelled  # and the cancelled ones made what they made
+    assert delta["prompt_tokens_total"] == got["total_usage_prompt_tokens"]["avg"] + got.get("total_error_isl", {"avg": 0})["avg"]
