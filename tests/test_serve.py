@@ -298,7 +298,7 @@ def test_clients_that_leave_free_their_slots_and_a_burst_of_four_gets_four(serve
 
 def test_past_the_slots_and_the_queue_a_request_gets_429_at_once(served):
     with ThreadPoolExecutor(4 + QUEUE) as pool:  # a waiting stream's headers come with its first token
-        held = [pool.submit(stream, served, f"hold {i}", 200) for i in range(4 + QUEUE)]  # 4 slots, and the queue full
+        held = [pool.submit(stream, served, f"hold {i}", 248) for i in range(4 + QUEUE)]  # 4 slots, and the queue full
         served.wait_for(lambda: served.metric("num_requests_running") == 4 and served.metric("num_requests_waiting") == QUEUE)
         r = served.http.post("/v1/completions", json={"model": NAME, "prompt": "one more", "max_tokens": 2})
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
