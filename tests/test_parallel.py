@@ -407,9 +407,11 @@ with Session.open(sys.argv[1]) as session:
         after = [service.submit(p, max_tokens=10) for p in PROMPTS[:3]]  # they step beside it, and on after it ends
         seeded = service.submit(PROMPTS[0], max_tokens=10, sampling=SamplingParams(temperature=0.9, seed=4)).result(60)
         unseeded = service.submit(PROMPTS[0], max_tokens=10, sampling=SamplingParams(temperature=0.9)).result(60)
+        ignored = [service.submit(p, max_tokens=10, ignore_eos=True) for p in PROMPTS]  # the other rank must run past eos too
         print(json.dumps({"prompt_ids": [g.prompt_ids for g in greedy], "greedy": [g.ids for g in greedy], "stop": stop,
                           "stopped": [stopped.result(60).text, stopped.result().finish_reason, greedy[2].text],
-                          "after": [h.result(60).ids for h in after], "seeded": seeded.ids, "unseeded": len(unseeded.ids)}))
+                          "after": [h.result(60).ids for h in after], "seeded": seeded.ids, "unseeded": len(unseeded.ids),
+                          "ignored": [h.result(60).ids for h in ignored], "reasons": [g.finish_reason for g in greedy]}))
     service.close()  # rank 0's ends the other ranks' too
 """
 
@@ -433,6 +435,8 @@ def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_wi
     report = {"prompts": [{"prompt_ids": ids} for ids in got["prompt_ids"]]}
     eager = eager_tokens(tiny_dir, report, 10)
     assert got["greedy"] == eager and got["after"] == eager[:3]
+    assert "stop" in got["reasons"]  # a prompt meets eos within 10 tokens; with ignore_eos, it runs on
+    assert all(len(i) == 10 and i[: len(g)] == g for i, g in zip(got["ignored"], got["greedy"]))
     text, reason, whole = got["stopped"]
     assert reason == "stop" and got["stop"] in whole and text == whole[: whole.index(got["stop"])]
     model = load_model(tiny_dir).model

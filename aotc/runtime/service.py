@@ -24,6 +24,7 @@ abort()) ends its request at the next step, and its slot goes to the next reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import queue
@@ -52,10 +53,10 @@ class Handle:
     """One submitted request: iterate it (or `async for`) for its TokenEvents, result()
     (or `await handle`) for its Completion, abort() to end it. One reader per handle."""
 
-    def __init__(self, service: "Service", request: Request, emit, stops):
+    def __init__(self, service: "Service", request: Request, sampling: SamplingParams | None, emit, stops):
         self.id = request.id
         self.request = request
-        self.sampling: SamplingParams | None = None  # as the engine got it (on ranks, seeded)
+        self.sampling = sampling  # as the engine got it (on ranks, seeded)
         self.shed = False  # ended before it took a slot, by Service.shed()
         self.on_time: Callable[[float], None] | None = None  # on the engine thread: each token's time (perf_counter)
         self.on_end: Callable[[], None] | None = None  # on the engine thread, once the request has ended
@@ -128,19 +129,15 @@ class Handle:
         if self._error is not None:
             raise AotcError(f"request {self.id}: the engine failed: {self._error}") from self._error
 
+    @contextlib.contextmanager
     def _waker(self):
-        handle = self
-
-        class Registered:  # wakes an asyncio reader (its loop, its event) at each event
-            def __enter__(self):
-                self.waker = (asyncio.get_running_loop(), asyncio.Event())
-                handle._wakers.append(self.waker)
-                return self.waker[1]
-
-            def __exit__(self, *exc):
-                handle._wakers.remove(self.waker)
-
-        return Registered()
+        """An asyncio.Event that the engine thread sets (in the reader's loop) at each event."""
+        waker = (asyncio.get_running_loop(), asyncio.Event())
+        self._wakers.append(waker)
+        try:
+            yield waker[1]
+        finally:
+            self._wakers.remove(waker)
 
     # -- the engine thread's side --------------------------------------------------------
     def _token(self, request: Request) -> bool:
@@ -224,9 +221,8 @@ class Service:
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         request = self.engine.request(ids, new, sampling, stop_ids=stop_token_ids, ignore_eos=ignore_eos)
         emit, texts = token_events(s.tokenizer, 1, new, request.stop_ids, stops, lambda event: handle._push(event))
-        handle = Handle(self, request, emit, texts)
-        handle.sampling = sampling
-        request.on_token = handle._token if emit is not None else None
+        handle = Handle(self, request, sampling, emit, texts)
+        request.on_token = handle._token
         with self._lock:
             if self.error is not None:
                 raise AotcError(f"the engine failed and takes no more requests: {self.error}") from self.error
@@ -321,9 +317,10 @@ class Service:
         while True:
             new, aborted, closing = self._plan.receive()
             for ids, max_tokens, sampling, stop_ids, rid in new:
-                request = self.engine.request(ids, max_tokens, sampling, stop_ids=stop_ids)
-                if request.id != rid:
-                    raise AotcError(f"rank {self.rank} numbered a request {request.id} where rank 0 numbered it {rid}; the ranks' plans differ")
+                # stop_ids is rank 0's whole set (its eos ids unless ignore_eos), and its id is
+                # rank 0's: callers' threads number requests in another order than they arrive.
+                request = self.engine.request(ids, max_tokens, sampling, stop_ids=stop_ids, ignore_eos=True)
+                request.id = rid
                 mine[rid] = request
                 self.engine.add(request)
             for rid in aborted:
@@ -443,20 +440,19 @@ class _Plan:
 
 
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+_INTS = frozenset({"top_k", "seed", "logprobs"})  # the others are floats, sent as their 64 bits
 
 
 def _params(sampling: SamplingParams | None) -> list[int]:
-    """A request's SamplingParams as int64s: floats as their bits, None as -1."""
+    """A request's SamplingParams as int64s: integers as they are (None: -1), floats as their bits."""
     p = sampling or SamplingParams()
-    out = []
-    for name in _FIELDS:
-        v = getattr(p, name)
-        out.append(-1 if v is None else v if isinstance(v, int) and not isinstance(v, bool) and name in ("top_k", "seed", "logprobs") else struct.unpack("<q", struct.pack("<d", float(v)))[0])
-    return out
+    values = [getattr(p, name) for name in _FIELDS]
+    return [(-1 if v is None else v) if name in _INTS else struct.unpack("<q", struct.pack("<d", v))[0] for name, v in zip(_FIELDS, values)]
 
 
 def _sampling(values: list[int]) -> SamplingParams:
-    fields = {}
-    for name, v in zip(_FIELDS, values):
-        fields[name] = (None if v == -1 else v) if name in ("top_k", "seed", "logprobs") else struct.unpack("<d", struct.pack("<q", v))[0]
-    return SamplingParams(**fields)
+    """_params' inverse."""
+    return SamplingParams(**{
+        name: (None if v == -1 else v) if name in _INTS else struct.unpack("<d", struct.pack("<q", v))[0]
+        for name, v in zip(_FIELDS, values)
+    })  # fmt: skip
