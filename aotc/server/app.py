@@ -100,7 +100,7 @@ class Server:
         self._model(body.model)
         prompt = body.prompt_value()
         max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default for completions
-        return await self._generate(request, body, "text_completion", prompt, False, max_tokens, body.sampling(body.logprobs))
+        return await self._generate(request, body, "text_completion", prompt, max_tokens, body.sampling(body.logprobs))
 
     async def chat(self, request: Request) -> Response:
         body = decode(await self._body(request), ChatRequest)
@@ -108,7 +108,7 @@ class Server:
         self._model(body.model)
         messages = [m.as_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._generate(request, body, "chat.completion", messages, True, asked, body.sampling(body.logprob_count()))
+        return await self._generate(request, body, "chat.completion", messages, asked, body.sampling(body.logprob_count()))
 
     async def models(self, request: Request) -> Response:
         self._auth(request)
@@ -148,7 +148,7 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- generation -----------------------------------------------------------------------
-    async def _generate(self, request: Request, body, kind: str, prompt, chat: bool, max_tokens: int | None, sampling) -> Response:
+    async def _generate(self, request: Request, body, kind: str, prompt, max_tokens: int | None, sampling) -> Response:
         if self.draining:
             raise ApiError(503, "the server is shutting down; send the request to another instance", type="service_unavailable", code="shutting_down")
         arrived = time.perf_counter()
@@ -162,28 +162,28 @@ class Server:
         handle.on_end = lambda: self._record(handle, arrived, times)
         self.in_flight.add(handle)
         watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if not body.stream:
                 try:
                     done = await handle
                 finally:
-                    self._ended(handle, arrived, times, watcher)
+                    self._ended(handle, watcher)
                 self._refuse_if_shed(handle)
                 return _json(self._whole(rid, kind, handle, done))
             events = handle.__aiter__()
             first = await anext(events, None)  # so that a request shed or failed before its first token gets a status
-        except AotcError:
-            self._ended(handle, arrived, times, watcher)
-            raise ApiError(500, f"request {handle.id} failed in the engine: {handle._error or 'unknown'}", type="server_error") from None
+        except AotcError as e:  # the engine failed
+            self._ended(handle, watcher)
+            raise ApiError(500, str(e), type="server_error") from None
         except BaseException:
-            self._ended(handle, arrived, times, watcher)
+            self._ended(handle, watcher)
             raise
         if first is None:
-            self._ended(handle, arrived, times, watcher)
+            self._ended(handle, watcher)
             self._refuse_if_shed(handle)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._sse(rid, kind, handle, first, events, usage, arrived, times, watcher), media_type="text/event-stream")
+        return StreamingResponse(self._sse(rid, kind, handle, first, events, usage, watcher), media_type="text/event-stream")
 
     def _submit(self, prompt, max_tokens: int | None, sampling, stops, stop_ids, ignore_eos: bool) -> Handle:
         try:
@@ -207,7 +207,7 @@ class Server:
         if handle.shed:
             raise ApiError(503, "the server is shutting down and this request had not started; send it again", type="service_unavailable", code="shutting_down")
 
-    def _ended(self, handle: Handle, arrived: float, times: list[float], watcher: asyncio.Task) -> None:
+    def _ended(self, handle: Handle, watcher: asyncio.Task) -> None:
         """Its handler is done with it (its request may still end at the next step)."""
         watcher.cancel()
         self.in_flight.discard(handle)
@@ -218,7 +218,7 @@ class Server:
         prompt, new = Metrics.request_counts(handle)
         log.info("request %d: %s, %d prompt tokens, %d new, %.3f s", handle.id, handle.request.finish_reason, prompt, new, time.perf_counter() - arrived)
 
-    async def _sse(self, rid, kind, handle: Handle, first, events, usage: bool, arrived: float, times, watcher):
+    async def _sse(self, rid, kind, handle: Handle, first, events, usage: bool, watcher):
         chat = kind == "chat.completion"
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -254,7 +254,7 @@ class Server:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
             await events.aclose()  # a client that left: its request ends at the next step
-            self._ended(handle, arrived, times, watcher)
+            self._ended(handle, watcher)
 
     def _whole(self, rid: str, kind: str, handle: Handle, done) -> dict:
         reason = _reason(done.finish_reason)
