@@ -399,3 +399,26 @@ def test_aiperf_at_concurrency_16_with_cancellations_agrees_with_the_servers_cou
     assert completed == 16 * got["request_count"]["avg"]  # ignore_eos: each ran to its max_tokens
     assert 0 <= delta["generation_tokens_total"] - completed <= 16 * cancelled  # and the cancelled ones made what they made
     assert delta["prompt_tokens_total"] == got["total_usage_prompt_tokens"]["avg"] + got.get("total_error_isl", {"avg": 0})["avg"]
+
+
+def test_the_serving_pages_client_example_runs_against_the_server(served):
+    """docs/serving.md's openai example, as written but for the address and the key."""
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert 'base_url="http://127.0.0.1:8000/v1", api_key="unused"' in block and 'model="tiny"' in block
+    done = served.metric(LENGTH) + served.metric('request_success_total{finished_reason="stop",model_name="tiny"}')
+    exec(compile(block.replace("http://127.0.0.1:8000", served.url).replace('"unused"', repr(KEY)), str(page), "exec"), {})
+    served.wait_for(lambda: served.metric(LENGTH) + served.metric('request_success_total{finished_reason="stop",model_name="tiny"}') == done + 1)
+
+
+def test_without_the_serve_extra_the_command_says_what_to_install(bundle, monkeypatch):
+    from typer.testing import CliRunner
+
+    from aotc.cli import app
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "aotc.server.run", raising=False)
+    r = CliRunner().invoke(app, ["serve", str(bundle)])
+    assert r.exit_code == 2 and "aotc serve needs the serve extra (uvicorn is missing): pip install 'aotc[serve]'" in " ".join(r.output.split()), r.output
