@@ -84,48 +84,96 @@ def _run(command: list[str], log: Path, **env: str) -> None:
         raise Skipped(f"`{' '.join(command[:6])} ...` failed (exit {result.returncode}); see {log}")
 
 
-def ensure_llama_cpp(cache: Path, say=print) -> Path:
-    """The built llama.cpp: `py/` holds the llama_cpp package with its shared
-    libraries, `converter/` llama.cpp's convert_hf_to_gguf.py (with its
-    `conversion` package and gguf-py), `convert/` the converter's Python
-    requirements. Built once into a temporary folder, then
-    renamed, so that an interrupted build leaves nothing that looks finished."""
-    done = build_dir(cache)
-    if (done / "py" / "llama_cpp").is_dir():
+_PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+
+
+def _fetch_source(tmp: Path, log: Path) -> Path:
+    """llama-cpp-python's source distribution, unpacked under tmp/src: its folder."""
+    _run([*_PIP, "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp / "sdist")], log)
+    (archive,) = (tmp / "sdist").glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp / "src", filter="data")
+    (src,) = (tmp / "src").iterdir()
+    return src
+
+
+def _keep_converter(src: Path, tmp: Path, log: Path) -> None:
+    """llama.cpp's converter (with the package it imports, and gguf-py) into tmp/converter,
+    and its Python requirements into tmp/convert: it reads the config and tokenizer
+    through transformers."""
+    _run([*_PIP, "install", "--target", str(tmp / "convert"), "transformers", "sentencepiece"], log)
+    (tmp / "converter").mkdir()
+    for part in CONVERTER:
+        shutil.move(src / "vendor" / "llama.cpp" / part, tmp / "converter" / part)
+
+
+def _build_once(done: Path, finished: Path, what: str, steps, say) -> Path:
+    """Runs steps(tmp, log) once into a temporary folder beside `done`, then renames it, under
+    a lock, so that an interrupted build leaves nothing that looks finished (`finished`,
+    a path inside `done`, is what marks it so)."""
+    if finished.exists():
         return done
     reason = missing_tools()
     if reason:
         raise Skipped(reason)
-    cache.mkdir(parents=True, exist_ok=True)
+    done.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(done) + ".lock"):
-        if (done / "py" / "llama_cpp").is_dir():
+        if finished.exists():
             return done
-        tmp = Path(tempfile.mkdtemp(prefix=done.name + ".tmp-", dir=cache))
-        log = cache / f"{done.name}.build.log"  # kept beside the build, failed or not
+        tmp = Path(tempfile.mkdtemp(prefix=done.name + ".tmp-", dir=done.parent))
+        log = done.parent / f"{done.name}.build.log"  # kept beside the build, failed or not
         log.unlink(missing_ok=True)
+        say(f"building {what} from llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution (once, minutes; log: {log})")
         try:
-            pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-            say(f"building llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution (once, a few minutes; log: {log})")
-            _run([*pip, "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp / "sdist")], log)
-            (archive,) = (tmp / "sdist").glob("llama_cpp_python-*.tar.gz")
-            with tarfile.open(archive) as tar:
-                tar.extractall(tmp / "src", filter="data")
-            (src,) = (tmp / "src").iterdir()
-            _run([*pip, "install", "--target", str(tmp / "py"), str(src)], log, CMAKE_ARGS=cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
-            # convert_hf_to_gguf.py reads the config and tokenizer through transformers.
-            _run([*pip, "install", "--target", str(tmp / "convert"), "transformers", "sentencepiece"], log)
-            # Kept of the source: llama.cpp's converter, the package it imports, and gguf-py.
-            vendored = src / "vendor" / "llama.cpp"
-            (tmp / "converter").mkdir()
-            for part in CONVERTER:
-                shutil.move(vendored / part, tmp / "converter" / part)
-            shutil.rmtree(tmp / "src")
-            shutil.rmtree(tmp / "sdist")
+            steps(tmp, log)
+            for scratch in ("src", "sdist", "cmake"):
+                shutil.rmtree(tmp / scratch, ignore_errors=True)
             os.replace(tmp, done)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return done
+
+
+def ensure_llama_cpp(cache: Path, say=print) -> Path:
+    """The built llama.cpp: `py/` holds the llama_cpp package with its shared
+    libraries, `converter/` llama.cpp's convert_hf_to_gguf.py (with its
+    `conversion` package and gguf-py), `convert/` the converter's Python
+    requirements."""
+
+    def steps(tmp: Path, log: Path) -> None:
+        src = _fetch_source(tmp, log)
+        _run([*_PIP, "install", "--target", str(tmp / "py"), str(src)], log, CMAKE_ARGS=cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+        _keep_converter(src, tmp, log)
+
+    done = build_dir(cache)
+    return _build_once(done, done / "py" / "llama_cpp", "llama.cpp", steps, say)
+
+
+# llama-server alone, linked statically; its web UI neither built (npm) nor downloaded
+# (a prebuilt one from Hugging Face, which CI cannot reach): it embeds an empty one.
+SERVER_CMAKE = (
+    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+)  # fmt: skip
+
+
+def ensure_llama_server(cache: Path, say=print) -> Path:
+    """llama.cpp's own OpenAI-compatible server, the cmake target `llama-server` of the same
+    vendored source as ensure_llama_cpp's, with the same CPU flags (cmake_args): `bin/llama-server`,
+    and the converter as ensure_llama_cpp keeps it (`converter/`, `convert/`)."""
+
+    def steps(tmp: Path, log: Path) -> None:
+        src = _fetch_source(tmp, log)
+        build = tmp / "cmake"
+        _run(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(build), *cmake_args().split(), *SERVER_CMAKE], log)
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)], log)
+        (tmp / "bin").mkdir()
+        shutil.copy2(build / "bin" / "llama-server", tmp / "bin" / "llama-server")
+        _keep_converter(src, tmp, log)
+
+    done = build_dir(cache).with_name(build_dir(cache).name + "-server")
+    return _build_once(done, done / "bin" / "llama-server", "llama-server", steps, say)
 
 
 # Run in a subprocess: convert_hf_to_gguf.py picks the BPE pre-tokenizer by hashing how

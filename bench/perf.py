@@ -40,10 +40,10 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(default), help=f"comma-separated, of {', '.join(sections)} (default: all but {', '.join(sorted(OPTIONAL))})")
     ap.add_argument("--backend", default="inductor", help="the aotc backend the sections build and time (default inductor; decode also times export, resident xla)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "perf.json")
-    ap.add_argument("--peers", action="store_true", help="also run the peers section: llama.cpp, built once into --peers-cache")
-    ap.add_argument("--peers-cache", type=Path, default=DEFAULT_CACHE, help=f"where llama.cpp is built, once per version and CPU (default {DEFAULT_CACHE})")
+    ap.add_argument("--peers", action="store_true", help=f"also run the sections against llama.cpp ({', '.join(sorted(OPTIONAL))}): it is built once into --peers-cache")
+    ap.add_argument("--peers-cache", type=Path, default=DEFAULT_CACHE, help=f"where llama.cpp is built and aiperf installed, once per version and CPU (default {DEFAULT_CACHE})")
     args = ap.parse_args()
-    chosen = list(dict.fromkeys(args.sections.split(",") + (["peers"] if args.peers else [])))
+    chosen = list(dict.fromkeys(args.sections.split(",") + (sorted(OPTIONAL) if args.peers else [])))
     unknown = [s for s in chosen if s not in sections]
     if unknown:
         ap.error(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(sections)}")

@@ -287,16 +287,17 @@ def test_ttft_runs_agree_on_the_first_token(bench):
         assert math.isclose(r["vs torch.compile (eager) cold"], r["process_s"] / result["rows"][1]["process_s"])
 
 
-def test_peers_section_is_skipped_with_the_reason_without_cmake(bench, monkeypatch):
-    """--peers builds llama.cpp from source: without cmake it says so, records the
-    reason in the results, and writes nothing into the cache folder."""
+def test_peers_sections_are_skipped_with_the_reason_without_cmake(bench, monkeypatch):
+    """--peers builds llama.cpp (and llama-server) from source: without cmake each section
+    says so, records the reason in the results, and writes nothing into the cache folder."""
     run, sections = bench
     import llamacpp
 
     which = llamacpp.shutil.which
     monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else which(tool))
     monkeypatch.setattr(run, "peers_cache", run.root / "peers-cache")
-    assert sections["peers"](run) == {"skipped": "cmake is not on PATH; llama.cpp is built from source"}
+    for name in ("peers", "serve"):
+        assert sections[name](run) == {"skipped": "cmake is not on PATH; llama.cpp is built from source"}, name
     assert not run.peers_cache.exists()
 
 
