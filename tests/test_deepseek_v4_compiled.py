@@ -241,3 +241,91 @@ def test_every_entry_traced_for_another_device_makes_its_tensors_there(v4_dir):
         gm = trace(variant, 4, shapes).graph_module
         on_cpu = [n.format_node() for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cpu"]
         assert not on_cpu, (variant.entry_id, on_cpu)
+
+
+def transformers_v4(folder, seed: int, **more):
+    """A V4 as transformers' own code initialises it (issue 69), saved by save_pretrained:
+    every layer type and both MoE kinds, transformers' hash-routing tables (zeros: every
+    token to expert 0 in both slots), compression every 4 and 8 positions (a prompt of
+    several 32-token chunks crosses many windows), 4 indexer heads (whose ReLU sums tie
+    at exactly 0.0), every parameter scaled by 1.5 so that the model is far from uniform.
+    `more`: other config fields."""
+    transformers = pytest.importorskip("transformers", reason="transformers makes the model (test extra)")
+    fields = dict(
+        vocab_size=400, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, q_lora_rank=64, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=5,
+        sliding_window=16, o_groups=2, o_lora_rank=32, index_n_heads=4, index_head_dim=16, index_topk=4, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**{**fields, **more})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.generation_config.eos_token_id = None  # greedy to the end
+    model.save_pretrained(folder)
+    return folder
+
+
+# One seed on export in CI; other seeds, configurations and backends under slow.
+XLA = pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax")
+INDUCTOR = pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
+
+
+@pytest.mark.parametrize(
+    "backend,seed,more",
+    [
+        ("export", 11, {}),
+        pytest.param("export", 3, {}, marks=pytest.mark.slow),
+        pytest.param("export", 5, {"index_topk": 2, "sliding_window": 8, "compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 16}}, marks=pytest.mark.slow),
+        pytest.param("inductor", 11, {}, marks=[pytest.mark.slow, INDUCTOR]),
+        pytest.param("inductor", 7, {}, marks=[pytest.mark.slow, INDUCTOR]),
+        pytest.param("xla", 11, {}, marks=[pytest.mark.slow, XLA]),
+        pytest.param("xla", 7, {}, marks=[pytest.mark.slow, XLA]),
+    ],
+)  # fmt: skip
+def test_a_v4_that_transformers_initialises_runs_compiled_as_eager(tmp_path, backend, seed, more):
+    """`aotc run --check` (Session.generate(check=True)) on a transformers-initialised V4:
+    a prompt of one chunk, one of four chunks (a 41-token passage three times, and two
+    more), each alone, and the two with a third in a batch of three. Issue 69: the four-chunk
+    prompt's decode left eager after 7 tokens (max logit diff 0.285): the indexer's top-k
+    broke ties at 0.0 by the length of the scores, a context bucket's in the graph and the
+    whole cache's in eager."""
+    from aotc import Session
+
+    folder = transformers_v4(tmp_path / "hf", seed, **more)
+    # One batch bucket (4): a prompt alone runs in a padded row of it. Decode reads a context
+    # bucket (256) or the whole cache (512), as the ties above need.
+    out = build(BuildOptions(folder, out=tmp_path / backend, batch_buckets=(4,), chunk_buckets=(32,), max_seq=512, backend=backend)).out
+    g = torch.Generator().manual_seed(seed)
+    passage = torch.randint(3, 400, (41,), generator=g).tolist()
+    short, long, third = torch.randint(3, 400, (20,), generator=g).tolist(), passage * 3 + [7, 9], torch.randint(3, 400, (77,), generator=g).tolist()
+    with Session.open(out) as session:
+        for batch in ([short], [long], [short, long, third]):
+            report = session.generate(batch, max_new_tokens=16, max_batch=len(batch), check=True).check
+            assert report.passed, [(len(batch), p.matching_tokens, p.max_logit_diff, p.error) for p in report.per_prompt]
+
+
+def test_the_indexer_picks_the_same_entries_from_a_cache_of_any_length(v4_dir):
+    """The indexer's choice among entries tied at the k-th score (ReLU sums that are all
+    exactly 0.0) goes to the earliest, whatever the number of cache rows after the ready
+    ones: a decode graph reads a context bucket's rows, eager the whole cache's."""
+    from aotc.models.deepseek_v4 import Indexer
+
+    config = load_model(v4_dir, weights=False).config
+    torch.manual_seed(0)
+    indexer = Indexer(config)
+    n, rate, k = 5, config.compress_rate_csa, config.index_topk
+    positions = torch.arange(60, 60 + n)  # 15 entries ready for each
+    ready = int(positions[-1] + 1) // rate
+    h, q_residual = torch.randn(n, config.hidden_size), torch.randn(n, config.q_lora_rank)
+    cos, sin = torch.ones(n, 4), torch.zeros(n, 4)
+    keys = torch.randn(ready, config.index_head_dim)
+    keys[: ready - 2] = 0.0  # all but the last two score exactly 0.0: more ties than top-k places
+    picks = []
+    for rows in (ready, 32, 64, 256):
+        cache = torch.cat([keys, torch.randn(rows - ready, config.index_head_dim)])
+        picks.append(indexer.select(h, q_residual, positions, cos, sin, cache)[:, :ready])
+    assert all(torch.equal(p, picks[0]) for p in picks), picks
+    assert (picks[0].sum(-1) == k).all() and picks[0][:, : k - 2].all(), picks[0]  # the earliest of the tied entries

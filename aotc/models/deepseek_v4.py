@@ -369,8 +369,14 @@ class Indexer(nn.Module):
         scores = (scores * weights[:, :, None]).sum(dim=1)  # [N, E]
         ready = torch.arange(keys.shape[-2], device=positions.device)[None, :] < ((positions + 1) // self.rate)[:, None]
         scores = scores.masked_fill(~ready, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
-        chosen = torch.zeros_like(ready).scatter_(1, top, True)
+        # The top k, ties at the k-th score going to the earliest entries. A score is a sum
+        # of ReLUs, so several entries can score exactly 0.0, and topk's own choice among
+        # ties depends on the kernel and on the tensor's length (a decode graph reads a
+        # context bucket's entries, eager the whole cache): they chose different entries.
+        k = min(self.topk, keys.shape[-2])
+        kth = scores.topk(k, dim=-1).values[:, -1:]  # [N, 1]: one value, however ties fall
+        above, tied = scores > kth, scores == kth
+        chosen = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
         return chosen & ready
 
 
