@@ -50,6 +50,38 @@ def test_torch_compile_works_in_a_process_that_imported_torchax():
 
 # qwen2's cells under `slow`: every xla mechanism here is llama's too, and qwen2's q/k/v
 # biases run compiled against eager in CI on export (test_parallel.py's tied head and KV head).
+@pytest.mark.parametrize(
+    "source,to,shape",
+    [(torch.bfloat16, torch.uint8, (2, 4)), (torch.uint8, torch.bfloat16, (2, 8)), (torch.float32, torch.bfloat16, (3, 2)),
+     (torch.int8, torch.float32, (2, 8)), (torch.float32, torch.int32, (2, 3))],
+)  # fmt: skip
+def test_a_view_to_another_dtype_lowers_to_torchs_shape_and_bytes(source, to, shape):
+    """x.view(dtype) keeps the rank, the last dim scaled by the item sizes' ratio (bf16
+    [2,4] as uint8 is [2,8]); XLA's bitcast adds or takes a trailing dim instead."""
+    import numpy as np
+
+    from aotc.backends.xla import jitted, to_numpy, to_torch
+
+    size = torch.empty((), dtype=source).element_size()
+    x = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).view(source)
+    gm = torch.export.export(ViewAs(to), (x,)).run_decompositions({}).graph_module
+    fn, _ = jitted(gm)
+    (got,) = fn(to_numpy(x))
+    got = to_torch(np.asarray(got))
+    want = x.view(to)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+class ViewAs(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.view(self.dtype).clone()  # an output of its own (export refuses one that aliases an input)
+
+
 @pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def xla_bundle(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"xla-{request.param}")

@@ -133,10 +133,21 @@ def _fix_view_dtype() -> None:
     import dataclasses
 
     import jax
+    import numpy as np
     from torchax.ops import mappings, ops_registry
 
     def view_dtype(x, dtype):
-        return jax.lax.bitcast_convert_type(x, mappings.t2j_dtype(dtype))
+        # torch keeps the rank and scales the last dim by the ratio of the item sizes;
+        # XLA's bitcast adds (to a narrower type) or takes (from one) a trailing dim of it.
+        to = mappings.t2j_dtype(dtype)
+        wide, narrow = np.dtype(x.dtype).itemsize, np.dtype(to).itemsize
+        if wide == narrow:
+            return jax.lax.bitcast_convert_type(x, to)
+        if wide > narrow:
+            out = jax.lax.bitcast_convert_type(x, to)  # [..., n, wide / narrow]
+            return out.reshape(*x.shape[:-1], x.shape[-1] * (wide // narrow))
+        ratio = narrow // wide
+        return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // ratio, ratio), to)
 
     entry = ops_registry.all_aten_ops[torch.ops.aten.view]
     ops_registry.all_aten_ops[torch.ops.aten.view.dtype] = dataclasses.replace(entry, func=view_dtype)
