@@ -100,6 +100,9 @@ def import_torchax():
         import torchax.decompositions
         import torchax.export
         import torchax.ops.jaten  # noqa: F401  (registers the aten -> JAX lowerings)
+    from . import xla_collectives
+
+    xla_collectives.install()
     _fix_nonzero_static()
     _fix_view_dtype()
     _fix_accelerator()
@@ -491,7 +494,9 @@ class XlaBackend(Backend):
         import jax
 
         torchax = import_torchax()
-        return f"torch-{torch.__version__}-jax-{jax.__version__}-torchax-{getattr(torchax, '__version__', '?')}"
+        from .xla_collectives import VERSION
+
+        return f"torch-{torch.__version__}-jax-{jax.__version__}-torchax-{getattr(torchax, '__version__', '?')}-{VERSION}"
 
     def can_compile(self) -> str | None:
         missing = [m for m in ("jax", "torchax") if importlib.util.find_spec(m) is None]
