@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from aotc import SamplingParams, parallel
+from aotc.backends.xla import XlaBackend
 from aotc.build import BuildOptions, build
 from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
@@ -126,8 +128,8 @@ def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir, monk
 def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degrees(tiny_dir, tmp_path):
     with pytest.raises(AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"):
         build(tp_options(tiny_dir, tmp_path / "b", degree=3))
-    with pytest.raises(AotcError, match=r"--tensor-parallel 2 --backend xla: .*export and inductor"):
-        tp_options(tiny_dir, tmp_path / "b", backend="xla")
+    with pytest.raises(AotcError, match=r"--tensor-parallel 2 --backend neuron: parallel bundles are built on the export, inductor and xla backends; this backend's collectives are not built yet"):
+        tp_options(tiny_dir, tmp_path / "b", backend="neuron")
     v4 = write_tiny(tmp_path / "v4", arch="deepseek_v4")
     with pytest.raises(AotcError, match="deepseek_v4 models have no tensor-parallel plan"):
         build(tp_options(v4, tmp_path / "b"))
@@ -219,12 +221,13 @@ def test_two_local_ranks_generate_the_unsharded_eager_tokens(tp_bundle, tiny_dir
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
 
 
-def test_a_tied_head_and_a_kv_head_on_both_ranks(tmp_path):
+@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=pytest.mark.slow)])
+def test_a_tied_head_and_a_kv_head_on_both_ranks(tmp_path, backend):
     """qwen2's tiny model: one KV head (each rank holds it), q/k/v and MLP biases split with
     their rows, down_proj's bias added by rank 0 alone before the sum, and an LM head tied
     to the embedding (a rank's head is its rows of it)."""
     qwen = write_tiny(tmp_path / "qwen", arch="qwen2", layers=2, mlp_bias=True)
-    bundle = build(tp_options(qwen, tmp_path / "tp2"))
+    bundle = build(tp_options(qwen, tmp_path / "tp2", backend=backend))
     weights = {w.path: w for w in bundle.manifest.entry("LlamaDecoderLayer.decode").weights}
     assert weights["self_attn.k_proj.weight"].shard.ways == 1 and weights["self_attn.k_proj.bias"].shard.ways == 1
     assert weights["self_attn.q_proj.bias"].shard.ways == 2 and weights["mlp.up_proj.bias"].shard.ways == 2
@@ -262,10 +265,12 @@ def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
     raise AssertionError("the launcher started no ranks")
 
 
-@pytest.mark.parametrize("when", ["generating", "before joining"])
-def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(tp_bundle, when):
+@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), ("xla", "generating")])
+def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(request, kind, when):
     """Killed while generating, rank 0's collective fails at once; killed before it joins the
-    group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first."""
+    group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first. On xla
+    the name is the killed rank's, not that of a peer JAX's coordination service then ends."""
+    tp_bundle = request.getfixturevalue("tp_bundle" if kind == "export" else "xla_tp_bundle")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi", "--max-new-tokens", "110"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -517,6 +522,63 @@ def test_fp8_weights_split_along_whole_blocks(tmp_path):
     assert weights["mlp.down_proj.weight:scale"].shard == ShardSpec("split", 1, [8], 2, 1)
     report = run_json(bundle.out, PROMPTS)
     assert report["check"]["passed"], report["check"]
+
+
+COLLECTIVE = re.compile(r" (all-reduce|all-gather|reduce-scatter|all-to-all)\(")
+
+
+@pytest.fixture(scope="module")
+def xla_tp_bundle(tiny_dir, tmp_path_factory):
+    if XlaBackend().can_compile() is not None:
+        pytest.skip("needs jax and torchax")
+    return build(tp_options(tiny_dir, tmp_path_factory.mktemp("xla-tp") / "tp2", backend="xla", use_cache=False))
+
+
+def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager_tokens(xla_tp_bundle, tiny_dir):
+    """The xla bundle at 2 ranks: each decoder layer's HLO holds its two all-reduces and the
+    head's one all-gather of the logits, tiled on dim 0, each over replica_groups {{0,1}}
+    with no channel (the per-rank form Neuron compiles); a trace at rank 1 lowers to the
+    same bytes; and 2 rank processes, each its replica of the HLO, give eager's tokens."""
+    result = xla_tp_bundle
+    found = {}
+    for entry, art in result.manifest.artifacts():
+        text = (result.out / art.dir / "hlo.txt").read_text()
+        ops = [line for line in text.splitlines() if COLLECTIVE.search(line)]
+        found[entry.id, art.bucket] = sorted(COLLECTIVE.search(line).group(1) for line in ops)
+        assert all("replica_groups={{0,1}}" in line for line in ops) and "channel_id" not in text, text
+        if entry.cls == "LMHead":
+            assert f"f32[{2 * art.bucket},256]" in ops[0] and "dimensions={0}" in ops[0], ops  # each rank's 128 of the vocabulary, tiled
+    assert {k: v for k, v in found.items() if "Decoder" in k[0]} == {k: ["all-reduce", "all-reduce"] for k in found if "Decoder" in k[0]}
+    assert {k: v for k, v in found.items() if "LMHead" in k[0]} == {k: ["all-gather"] for k in found if "LMHead" in k[0]}
+    assert all(v == [] for k, v in found.items() if "Decoder" not in k[0] and "LMHead" not in k[0])
+    # Rank 1's trace of a decoder layer lowers to the same HLO bytes as rank 0's, each in a
+    # process of its own (JAX numbers a module's ops from a counter of its process).
+    protos = [subprocess.run([sys.executable, "-c", LOWER_AT_RANK, str(tiny_dir), str(rank)], capture_output=True, text=True) for rank in (0, 1)]
+    assert all(p.returncode == 0 for p in protos), protos[0].stderr[-2000:] + protos[1].stderr[-2000:]
+    assert protos[0].stdout.splitlines()[-1] == protos[1].stdout.splitlines()[-1]
+    report = run_json(result.out, PROMPTS)
+    assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
+    assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
+
+
+# The sha256 of the hlo.pb that the xla backend lowers a decoder layer's decode at bucket 1
+# to, traced at rank argv[2] of 2.
+LOWER_AT_RANK = """
+import hashlib, sys
+from pathlib import Path
+from aotc import parallel
+from aotc.backends.base import Specs
+from aotc.backends.xla import lower
+from aotc.build import BuildOptions
+from aotc.build.key import key_graphs
+from aotc.build.plan import make_plan
+options = BuildOptions(Path(sys.argv[1]), out=Path("unused"), batch_buckets=(1,), chunk_buckets=(16,), max_seq=128, backend="xla", tensor_parallel=2, use_cache=False)
+with parallel.tracing(options.layout, rank=int(sys.argv[2])):
+    plan = make_plan(options)
+    task = next(t for t in plan.tasks if t[0].entry_id.startswith("LlamaDecoderLayer.decode"))
+    (keyed,) = key_graphs(plan, [task])
+    print(hashlib.sha256(lower(keyed.graph.program, Specs(keyed.graph.inputs, keyed.graph.outputs)).hlo_proto).hexdigest())
+"""
 
 
 @pytest.mark.slow

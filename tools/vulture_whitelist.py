@@ -109,3 +109,8 @@ _.abort
 
 # uvicorn.Server.should_exit: uvicorn's main loop reads it; the drain sets it to end serving.
 _.should_exit
+
+# XLA's CompileOptions, set as attributes and read by its compiler (xla.ReplicaProgram:
+# a parallel bundle's hlo.pb compiled for one replica per rank).
+_.num_replicas
+_.device_assignment

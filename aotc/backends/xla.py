@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 
 from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
-from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, one_device, register_backend
+from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, joined_ranks, one_device, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -300,7 +301,7 @@ class JaxDevice(Device):
     def __init__(self, index: int = 0):
         import jax
 
-        self.jax_device = jax.devices()[index]
+        self.jax_device = jax.local_devices()[index]
         self.sent = self.received = self.placed = 0  # bytes: host -> device per call, device -> host, weights
         self._placed: dict[int, tuple[torch.Tensor, object]] = {}
 
@@ -410,6 +411,80 @@ class HloProgram(Program):
         return Step(HOST, step, tensors)
 
 
+class ReplicaProgram(Program):
+    """hlo.pb of a parallel bundle, run as this rank's replica of `world_size`: its
+    collectives (xla_collectives) reach the other ranks' replicas through jax.distributed,
+    which the ranks join after torch's process group (join_replicas). model.jax is never
+    run at world > 1: compiled for one replica, an all-reduce returns its input, and each
+    rank would go on with its partial sums without a word."""
+
+    label = HLO_PROTO
+
+    def __init__(self, backend: "XlaBackend", hlo_pb: Path, mutated: list[int]):
+        self.backend, self.hlo, self.mutated = backend, hlo_pb.read_bytes(), mutated
+
+    def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
+        import jax
+        import numpy as np
+        from jax._src.lib import _jax, xla_client
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        if world_size < 2:
+            raise BackendError(f"bind(world_size={world_size}): this program is one replica of a parallel bundle; bind it on each of its ranks (aotc run starts them)")
+        joined_ranks(XlaBackend.name, rank, world_size)
+        device = self.backend.device_for(rank, world_size)
+        client = device.jax_device.client
+        # Replica r is rank r: the devices in the order of their processes, which joined as their ranks.
+        devices = sorted(client.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) != world_size or devices[rank] != device.jax_device:
+            raise BackendError(f"rank {rank} of {world_size}: JAX sees devices {[str(d) for d in devices]}; expected one per rank, this rank's at {rank}")
+        options = xla_client.CompileOptions()
+        options.num_replicas = world_size
+        options.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id] for d in devices], dtype=np.int32))
+        executable = client.compile_and_load(_jax.mlir.hlo_to_stablehlo(self.hlo), xla_client.DeviceList(tuple(devices)), options)
+        # Each input is this replica's own array; execute_sharded takes it as a global array
+        # whose only shard here is this device's.
+        mine = NamedSharding(Mesh(np.array(devices), ("replica",)), PartitionSpec())
+        placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
+        written = [position - len(placed) for position in self.mutated]
+
+        def step(args: list, call: int = 0) -> list:
+            flat = [*placed, *[a.value if isinstance(a, DeviceBuffer) else a for a in args]]
+            results = executable.execute_sharded([jax.make_array_from_single_device_arrays(x.shape, mine, [x]) for x in flat])
+            outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+            for at, new in zip(written, outs):
+                args[at].value = new
+            return outs[len(written) :]
+
+        return Step(device, step, placed)
+
+
+COORDINATOR = "aotc/jax-coordinator"  # the key in torch's store under which rank 0 publishes JAX's coordinator
+
+
+def join_replicas(rank: int, world_size: int) -> None:
+    """Join jax.distributed as rank `rank` of `world_size`, after torch's process group
+    (whose store carries the coordinator's address, published by rank 0), before JAX's
+    backend starts: on the CPU its cross-process collectives run over gloo."""
+    import socket
+
+    import jax
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    joined_ranks(XlaBackend.name, rank, world_size)
+    store = _get_default_store()
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        store.set(COORDINATOR, f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}")
+    address = store.get(COORDINATOR).decode()
+    try:
+        jax.distributed.initialize(address, num_processes=world_size, process_id=rank, initialization_timeout=60)
+    except RuntimeError as e:
+        raise BackendError(f"rank {rank} of {world_size}: could not join JAX's ranks at {address}: {e}") from e
+
+
 def use_compilation_cache(digest: str) -> Path | None:
     """Point JAX's persistent compilation cache at this bundle's own folder in aotc's cache
     (<root>/jax/<digest>, 0700), so that a run after the first skips XLA's compile of every
@@ -486,9 +561,11 @@ class XlaBackend(Backend):
     tolerance_factor = 5.0
     static_shapes = True
     views = False
+    collectives_in_graph = True  # lowered to per-rank HLO (xla_collectives), run as replicas (ReplicaProgram)
 
     def __init__(self):
         self._device: JaxDevice | None = None
+        self._world = 1  # the opened bundle's ranks (opening)
 
     def version(self) -> str:
         import jax
@@ -515,6 +592,7 @@ class XlaBackend(Backend):
         return None
 
     def opening(self, manifest) -> None:
+        self._world = manifest.parallel.world_size
         use_compilation_cache(manifest.digest())
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
@@ -527,12 +605,16 @@ class XlaBackend(Backend):
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
         import jax
 
+        if self._world > 1:  # model.jax is one replica's module: see ReplicaProgram
+            return ReplicaProgram(self, art_dir / HLO_PROTO, record.extra.mutated)
         exported = jax.export.deserialize(bytearray((art_dir / JAX_MODULE).read_bytes()))
         return JaxProgram(self, exported, record.extra.mutated, module_weights(exported, art_dir / JAX_MODULE))
 
     def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
         if self._device is None:
-            self._device = JaxDevice(rank)
+            if world_size > 1:
+                join_replicas(rank, world_size)
+            self._device = JaxDevice(0 if world_size > 1 else rank)  # a rank's process has one local device
         return self._device
 
     def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:

@@ -140,8 +140,8 @@ class BuildOptions:
         if self.tensor_parallel > 1 and not get_backend_class(self.backend).collectives_in_graph:
             able = [n for n in backend_names() if get_backend_class(n).collectives_in_graph]
             raise AotcError(
-                f"--tensor-parallel {self.tensor_parallel} --backend {self.backend}: parallel bundles run their collectives inside "
-                f"torch graphs, on the {' and '.join(able)} backends; this backend's collectives (in its compiler's own IR) are not built yet"
+                f"--tensor-parallel {self.tensor_parallel} --backend {self.backend}: parallel bundles are built on the "
+                f"{', '.join(able[:-1])} and {able[-1]} backends; this backend's collectives are not built yet"
             )
 
     @property
