@@ -454,3 +454,44 @@ def test_the_nrtpy_double_refuses_what_nrtpy_refuses(tmp_path):
     out = nrtpy.NrtpyTensor.from_numpy(np.zeros((2, 3), np.float32))
     assert model(inputs={"input0": t}, outputs={"output0": out}) is None
     assert out.numpy().ravel().tolist() == [2.0 * i for i in range(6)]
+
+
+class _Reduce(torch.nn.Module):
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", "0"), funcol.reduce_scatter_tensor(x, "sum", 0, "0")
+
+
+@lowers
+def test_integer_reductions_and_the_global_view_form_are_refused_before_neuronx_cc():
+    """neuronx-cc reduces in f32 and refuses an integer all-reduce or reduce-scatter
+    (NCC_EVRF061/063); a channel id, global device ids or a Shardy custom call is JAX's
+    global-view form, not the per-rank module it takes."""
+    from aotc import parallel
+    from aotc.backends.xla import jitted
+
+    texts = {}
+    with parallel.tracing(parallel.record(2)):
+        for dtype in (torch.float32, torch.int32):
+            program = torch.export.export(_Reduce(), (torch.ones(4, 3, dtype=dtype),)).run_decompositions({})
+            fn, specs = jitted(program.graph_module)
+            texts[dtype] = neuron.named_hlo(fn.lower(*specs).compiler_ir("hlo").as_serialized_hlo_module_proto())[1]  # as compile() reads it
+    assert neuron.refused(texts[torch.float32]) == []
+    found = neuron.refused(texts[torch.int32])
+    assert len(found) == 2 and all("NCC_EVRF061/063" in f for f in found), found
+    assert "integer all-reduce (s32[4,3])" in found[0] and "integer reduce-scatter (s32[2,3])" in found[1], found
+    # JAX's own collectives (shard_map) carry these; aotc's lowering never does.
+    global_view = texts[torch.float32].replace("replica_groups={{0,1}}", "channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true", 1)
+    (found,) = neuron.refused(global_view)
+    assert "all-reduce" in found and "a channel id or global device ids" in found
+    sdy = 'ROOT %r = f32[4,3]{1,0} custom-call(f32[4,3]{1,0} %x), custom_call_target="xla.sdy.GlobalToLocalShape"'
+    assert "a Shardy custom call" in neuron.refused(sdy)[0]
+
+
+@lowers
+def test_a_build_whose_hlo_the_neuron_backend_refuses_stops_naming_it_and_leaves_no_bundle(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(neuron, "refused", lambda text: ["all_reduce: aotc_all_reduce.7 all-reduce: an integer all-reduce (s32[4,3])"])
+    with pytest.raises(BackendError, match=r"does not hand neuronx-cc:\n  all_reduce: aotc_all_reduce.7 all-reduce: an integer all-reduce"):
+        build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="neuron", jobs=1, use_cache=False))
+    assert not (tmp_path / "b").exists()

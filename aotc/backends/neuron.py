@@ -166,6 +166,36 @@ def lint(hlo_proto: bytes, sources: dict[str, str] | None = None, operators: fro
     return findings
 
 
+# What neuronx-cc refuses in a module's collectives, or what would compile to something
+# other than one rank's module: all-reduce and reduce-scatter reduce in f32 on Neuron and
+# reject integer operands (NCC_EVRF061, NCC_EVRF063); a channel id, global device ids and
+# Shardy's custom calls are JAX's global-view form, not the per-rank form NxD and nkipy
+# hand the compiler (aotc lowers collectives in that form: backends/xla_collectives.py).
+_REDUCING = ("all-reduce", "reduce-scatter")
+
+
+def refused(hlo_text: str) -> list[str]:
+    """The instructions of an HLO module (text) that the neuron backend does not hand
+    neuronx-cc, each with why; empty where there are none."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        why = []
+        if opcode in _REDUCING and re.match(r"\(?[su]\d+\[", shape):
+            why.append(f"an integer {opcode} ({shape.split('{')[0]}), which neuronx-cc refuses: it reduces in f32 (NCC_EVRF061/063)")
+        if "channel_id=" in line or "use_global_device_ids=true" in line:
+            why.append("a channel id or global device ids: JAX's global-view form, not one rank's module")
+        if opcode == "custom-call" and 'custom_call_target="xla.sdy' in line:
+            why.append("a Shardy custom call: JAX's global-view form, not one rank's module")
+        if why:
+            op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
+            found.append(f"{op_name.group(1) if op_name else '(no FX node)'}: {name} {opcode}: {'; '.join(why)}")
+    return found
+
+
 _INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?(\S+)\s*=\s*(\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^=]*?\))\s+([a-z][a-z0-9-]*)\(")
 
 
@@ -486,6 +516,9 @@ class NeuronBackend(Backend):
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         lowered = xla.lower(program, specs)
         proto, text = named_hlo(lowered.hlo_proto)  # the NEFF's tensor names, for the runtime to bind
+        bad = refused(text)
+        if bad:
+            raise BackendError("the graph's HLO has what the neuron backend does not hand neuronx-cc:\n  " + "\n  ".join(bad))
         (out_dir / xla.HLO_PROTO).write_bytes(proto)
         (out_dir / xla.HLO_TEXT).write_text(text)
         fp8 = has_fp8(program.graph_module)
