@@ -20,7 +20,7 @@ from aotc.backends.xla import XlaBackend
 from aotc.build import BuildOptions, build
 from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
-from aotc.errors import AotcError
+from aotc.errors import AotcError, BundleError
 from aotc.format import ShardSpec
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
@@ -559,6 +559,22 @@ def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager
     report = run_json(result.out, PROMPTS)
     assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
+
+
+def test_an_xla_parallel_bundle_loads_replicas_and_never_runs_as_one(xla_tp_bundle, tiny_dir):
+    """Loaded in one process, a parallel xla bundle's programs are hlo.pb replicas, not
+    model.jax (one replica's all-reduce returns its input); bound as one rank they refuse,
+    naming how to start the ranks."""
+    from aotc.backends.base import Weights
+    from aotc.backends.xla import ReplicaProgram
+    from aotc.errors import BackendError
+
+    bundle = Bundle.load(xla_tp_bundle.out)
+    assert {type(p) for p in bundle.programs.values()} == {ReplicaProgram}
+    with pytest.raises(BackendError, match=r"bind\(world_size=1\): this program is one replica of a parallel bundle; bind it on each of its ranks \(aotc run starts them\)"):
+        next(iter(bundle.programs.values())).bind(Weights([]), rank=0, world_size=1)
+    with pytest.raises(BundleError, match=r"runs on 2 ranks \(--tensor-parallel 2\); bind\(world_size=1\)"):
+        bundle.bind(load_model(tiny_dir).model)
 
 
 # The sha256 of the hlo.pb that the xla backend lowers a decoder layer's decode at bucket 1
