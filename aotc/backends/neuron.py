@@ -139,11 +139,7 @@ def lint(hlo_proto: bytes, sources: dict[str, str] | None = None, operators: fro
 
     text = xla_client.XlaComputation(hlo_proto).get_hlo_module().to_string()
     findings = []
-    for line in text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, shape, opcode = m.groups()
+    for line, name, shape, opcode in _instructions(text):
         if opcode in ("tuple", "get-tuple-element"):  # they only carry what their operands made
             continue
         what = []
@@ -159,11 +155,24 @@ def lint(hlo_proto: bytes, sources: dict[str, str] | None = None, operators: fro
         elif operators is not None and not _listed(opcode, operators):
             what.append(f"{opcode}, which neuronx-cc list-operators does not list")
         if what:
-            op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
-            node = op_name.group(1) if op_name else "(no FX node)"
+            node = _node(line)
             where = f" at {sources[node]}" if sources and node in sources else ""
             findings.append(f"{node}{where}: {name} {opcode}: {'; '.join(what)}")
     return findings
+
+
+def _instructions(text: str):
+    """(line, name, shape, opcode) of each instruction of an HLO module's text."""
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            yield (line, *m.groups())
+
+
+def _node(line: str) -> str:
+    """The FX node an instruction came from (the op_name metadata that xla.lower scopes by node)."""
+    op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
+    return op_name.group(1) if op_name else "(no FX node)"
 
 
 # What neuronx-cc refuses in a module's collectives, or what would compile to something
@@ -178,11 +187,7 @@ def refused(hlo_text: str) -> list[str]:
     """The instructions of an HLO module (text) that the neuron backend does not hand
     neuronx-cc, each with why; empty where there are none."""
     found = []
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, shape, opcode = m.groups()
+    for line, name, shape, opcode in _instructions(hlo_text):
         why = []
         if opcode in _REDUCING and re.match(r"\(?[su]\d+\[", shape):
             why.append(f"an integer {opcode} ({shape.split('{')[0]}), which neuronx-cc refuses: it reduces in f32 (NCC_EVRF061/063)")
@@ -191,8 +196,7 @@ def refused(hlo_text: str) -> list[str]:
         if opcode == "custom-call" and 'custom_call_target="xla.sdy' in line:
             why.append("a Shardy custom call: JAX's global-view form, not one rank's module")
         if why:
-            op_name = re.search(r'op_name="[^/"]*/([^/"]+)', line)
-            found.append(f"{op_name.group(1) if op_name else '(no FX node)'}: {name} {opcode}: {'; '.join(why)}")
+            found.append(f"{_node(line)}: {name} {opcode}: {'; '.join(why)}")
     return found
 
 

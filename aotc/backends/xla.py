@@ -445,12 +445,16 @@ class ReplicaProgram(Program):
         # Each input is this replica's own array; execute_sharded takes it as a global array
         # whose only shard here is this device's.
         mine = NamedSharding(Mesh(np.array(devices), ("replica",)), PartitionSpec())
+
+        def replica(x):
+            return jax.make_array_from_single_device_arrays(x.shape, mine, [x])
+
         placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
+        held = [replica(w) for w in placed]  # the weights' wrappers, made once: a step wraps only its arguments
         written = [position - len(placed) for position in self.mutated]
 
         def step(args: list, call: int = 0) -> list:
-            flat = [*placed, *[a.value if isinstance(a, DeviceBuffer) else a for a in args]]
-            results = executable.execute_sharded([jax.make_array_from_single_device_arrays(x.shape, mine, [x]) for x in flat])
+            results = executable.execute_sharded([*held, *[replica(a.value if isinstance(a, DeviceBuffer) else a) for a in args]])
             outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
             for at, new in zip(written, outs):
                 args[at].value = new

@@ -57,14 +57,10 @@ def _primitives() -> dict:
     def groups_attr(groups):
         return ir.DenseIntElementsAttr.get(np.asarray(groups, dtype=np.int64))
 
-    def reducer(op, ctx, aval):
-        # The scalar computation each reduction applies (its `to_apply`).
+    def with_reduction(op, ctx, aval, how):
+        # The scalar computation the reduction applies (its `to_apply`).
         scalar = mlir.aval_to_ir_type(ctx.module_context, jax.core.ShapedArray((), aval.dtype))
         block = op.regions[0].blocks.append(scalar, scalar)
-        return block, scalar
-
-    def with_reduction(op, ctx, aval, how):
-        block, _ = reducer(op, ctx, aval)
         with ir.InsertionPoint(block):
             a, b = block.arguments
             hlo.return_([{"sum": hlo.add, "max": hlo.maximum, "min": hlo.minimum}[how](a, b)])
