@@ -62,6 +62,14 @@ def private_compile_cache(tmp_path_factory):
     os.environ["AOTC_CACHE_DIR"] = str(shared / "aotc-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_working_folder(tmp_path_factory):
+    """Each test process works in a folder of its own: a build without -o writes
+    artifacts/<name> under the working folder, and the README's first command leaves the
+    user's artifacts/tiny in the clone, which those builds would find and refuse to replace."""
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The embedded default model, with 2 layers to keep tests fast."""
