@@ -173,7 +173,7 @@ KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model'
 MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc\\[hf]).")
 TENSOR_PARALLEL = typer.Option(
     1, "--tensor-parallel", min=1,
-    help="Ranks to split the model across (llama family; export, inductor and xla backends): one graph per entry and bucket serves every rank, with the collectives inside it (on xla, per-rank HLO collectives); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
+    help="Ranks to split the model across (llama family; every backend): one graph per entry and bucket serves every rank, with the collectives inside it (on xla and neuron, per-rank HLO collectives; on neuron each rank takes a NeuronCore of its own); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
 )  # fmt: skip
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 

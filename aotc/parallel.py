@@ -221,3 +221,21 @@ def join(layout: ParallelRecord, rank: int, device: str) -> None:
         backend = "nccl"
     dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=TIMEOUT)
     check_groups(layout)
+
+
+def rank0_address(key: str) -> str:
+    """A "host:port" that rank 0 of the joined process group can listen on, the same on
+    every rank: rank 0 finds a free port and publishes it in torch's store under `key`
+    (a runtime's coordinator, such as JAX's or the Neuron runtime's root)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        store.set(key, f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}")
+    return store.get(key).decode()

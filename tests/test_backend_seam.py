@@ -117,3 +117,8 @@ def test_a_backend_from_a_plugin_builds_runs_checks_and_verifies(tiny_dir, tmp_p
     r = subprocess.run([sys.executable, "-m", "aotc.cli", "inspect", str(out)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     said = " ".join((r.stdout + r.stderr).split())
     assert r.returncode == 2 and "backend.name: 'fx_interpreter' is not a backend" in said and f"built with the plugin {__name__}: pass --plugin" in said, said
+    # A backend that does not say its graphs can hold collectives builds no parallel bundle.
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--tensor-parallel", "2", "-o", str(tmp_path / "tp")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--tensor-parallel 2 --backend fx_interpreter: parallel bundles are built on the export, inductor, neuron and xla backends" in said, said
+    assert not (tmp_path / "tp").exists()

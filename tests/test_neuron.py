@@ -495,3 +495,120 @@ def test_a_build_whose_hlo_the_neuron_backend_refuses_stops_naming_it_and_leaves
     with pytest.raises(BackendError, match=r"does not hand neuronx-cc:\n  all_reduce: aotc_all_reduce.7 all-reduce: an integer all-reduce"):
         build(BuildOptions(tiny_dir, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="neuron", jobs=1, use_cache=False))
     assert not (tmp_path / "b").exists()
+
+
+# -- ranks on NeuronCores ----------------------------------------------------------------
+
+
+def _nrtpy():
+    """The nrtpy double, imported from tests/fakes."""
+    import sys
+
+    sys.path.insert(0, str(FAKES))
+    try:
+        import nrtpy
+    finally:
+        sys.path.remove(str(FAKES))
+    return nrtpy
+
+
+def _collective_neff(path: Path, ranks: int, header: dict | None = None) -> Path:
+    """A NEFF as the compiler double writes one, of a graph whose all-reduce spans `ranks` ranks."""
+    from aotc import parallel
+    from aotc.backends.xla import jitted
+
+    with parallel.tracing(parallel.record(ranks)):
+        program = torch.export.export(_Reduce(), (torch.ones(4, 3),)).run_decompositions({})
+        fn, specs = jitted(program.graph_module)
+        pb = fn.lower(*specs).compiler_ir("hlo").as_serialized_hlo_module_proto()
+    path.write_bytes(b"NEFF-test-double\n" + json.dumps(header or {"target": "trn2", "lnc": 2}).encode() + b"\n" + neuron.named_hlo(pb)[0])
+    return path
+
+
+@lowers
+def test_the_nrtpy_double_refuses_collectives_loaded_as_nrt_refuses_them(tmp_path, monkeypatch):
+    """A NEFF with collectives loads only for them (cc_enabled), as a rank of a world of
+    more than one, with the root's address set, its replica groups within the world, and
+    at the logical core size it was compiled for: each refused as NRT refuses it."""
+    nrtpy = _nrtpy()
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    two, four = _collective_neff(tmp_path / "two.neff", 2), _collective_neff(tmp_path / "four.neff", 4)
+    load = nrtpy.NrtpyModel.load_from_neff
+    with pytest.raises(nrtpy.NrtError, match=r"holds collectives \(all-reduce\); load it with cc_enabled"):
+        load(two)
+    with pytest.raises(nrtpy.NrtError, match="rank_id 0 of world_size 1"):
+        load(two, cc_enabled=True)
+    with pytest.raises(nrtpy.NrtError, match="rank_id 2 of world_size 2"):
+        load(two, cc_enabled=True, rank_id=2, world_size=2)
+    with pytest.raises(nrtpy.NrtError, match=r"NEURON_RT_ROOT_COMM_ID is not set \(rank 0's ip:port\)"):
+        load(two, cc_enabled=True, rank_id=1, world_size=2)
+    monkeypatch.setenv("NEURON_RT_ROOT_COMM_ID", "127.0.0.1:1")
+    with pytest.raises(nrtpy.NrtError, match=r"replica groups name ranks \[2, 3\] outside world_size 2"):
+        load(four, cc_enabled=True, rank_id=1, world_size=2)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.raises(nrtpy.NrtError, match="compiled for logical NeuronCore size 2, NEURON_LOGICAL_NC_CONFIG=1"):
+        load(two, cc_enabled=True, rank_id=1, world_size=2)
+    with pytest.raises(nrtpy.NrtError, match=r"core_id 99: this process has \d+ NeuronCores"):
+        load(two, core_id=99)
+
+
+TAKE_CORE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy, nrtpy
+nrtpy.NrtpyTensor.from_numpy(numpy.zeros(1, numpy.float32))
+print("took", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_two_processes_on_one_neuron_core_are_refused_as_nrt_refuses_them(tmp_path):
+    """The runtime takes its visible cores for its process alone: a second process that
+    asks for a core the first holds fails to start, naming the core."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NRTPY_SIM_HOST=str(tmp_path), NEURON_RT_VISIBLE_CORES="1")
+    first = subprocess.Popen([sys.executable, "-c", TAKE_CORE, str(FAKES)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "took\n"
+        second = subprocess.run([sys.executable, "-c", TAKE_CORE, str(FAKES)], env=env, input="", capture_output=True, text=True)
+        assert second.returncode != 0 and "NRT_RESOURCE(4): NeuronCore 1 is in use by another process" in second.stderr, second.stderr[-2000:]
+        other = subprocess.run([sys.executable, "-c", TAKE_CORE, str(FAKES)], env=dict(env, NEURON_RT_VISIBLE_CORES="0"), input="", capture_output=True, text=True)
+        assert other.returncode == 0 and other.stdout == "took\n", other.stderr[-2000:]
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_each_rank_gets_a_core_of_its_own_the_root_and_the_bundles_logical_core_size(monkeypatch):
+    """rank_environment: the LOCAL_RANK-th of the launch's cores (all: the rank's index),
+    the root address given or rank 0's, NEURON_LOGICAL_NC_CONFIG as the NEFFs were
+    compiled (trn2's default 2, or lnc); what cannot work is refused, naming the fix."""
+    from aotc.backends.neuron import rank_environment
+
+    for name in ("NEURON_RT_VISIBLE_CORES", "NEURON_LOGICAL_NC_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NEURON_RT_ROOT_COMM_ID", "10.0.0.1:4242")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    trn2, trn1 = NeuronOptions(), NeuronOptions(target="trn1")
+    assert rank_environment(trn2, 3, 4) == {"NEURON_RT_VISIBLE_CORES": "1", "NEURON_RT_ROOT_COMM_ID": "10.0.0.1:4242", "NEURON_LOGICAL_NC_CONFIG": "2"}
+    assert rank_environment(NeuronOptions(lnc=1), 3, 4)["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    assert "NEURON_LOGICAL_NC_CONFIG" not in rank_environment(trn1, 3, 4)  # no logical cores before trn2
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")  # the launch's cores: this local rank's is the second
+    assert rank_environment(trn2, 3, 4)["NEURON_RT_VISIBLE_CORES"] == "5"
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "6")  # one core, given to this rank: kept
+    assert "NEURON_RT_VISIBLE_CORES" not in rank_environment(trn2, 3, 4)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "3,5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(BackendError, match="NEURON_RT_VISIBLE_CORES=3,5: 2 cores for 4 local ranks; give each rank a core of its own"):
+        rank_environment(trn2, 3, 4)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "a-b")
+    with pytest.raises(BackendError, match="expected a NeuronCore index or a range such as 0-3"):
+        rank_environment(trn2, 3, 4)
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.raises(BackendError, match=r"NEURON_LOGICAL_NC_CONFIG=1, but the bundle's NEFFs were compiled for logical cores of 2 \(--logical-nc-config 2\); unset it, or rebuild with --compiler-flag lnc=1"):
+        rank_environment(trn2, 3, 4)

@@ -21,7 +21,7 @@ from aotc.build import BuildOptions, build
 from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
 from aotc.errors import AotcError, BundleError
-from aotc.format import ShardSpec
+from aotc.format import ShardSpec, read_manifest
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
@@ -44,11 +44,11 @@ def aotc(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aotc", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12, max_batch: int = 3) -> dict:
+def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12, max_batch: int = 3, env: dict | None = None) -> dict:
     args = ["run", bundle, "--check", "--json", "--max-new-tokens", new_tokens, "--max-batch", max_batch]
     for p in prompts:
         args += ["--prompt", p]
-    done = aotc(*args)
+    done = aotc(*args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -128,8 +128,6 @@ def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir, monk
 def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degrees(tiny_dir, tmp_path):
     with pytest.raises(AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"):
         build(tp_options(tiny_dir, tmp_path / "b", degree=3))
-    with pytest.raises(AotcError, match=r"--tensor-parallel 2 --backend neuron: parallel bundles are built on the export, inductor and xla backends; this backend's collectives are not built yet"):
-        tp_options(tiny_dir, tmp_path / "b", backend="neuron")
     v4 = write_tiny(tmp_path / "v4", arch="deepseek_v4")
     with pytest.raises(AotcError, match="deepseek_v4 models have no tensor-parallel plan"):
         build(tp_options(v4, tmp_path / "b"))
@@ -221,18 +219,24 @@ def test_two_local_ranks_generate_the_unsharded_eager_tokens(tp_bundle, tiny_dir
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
 
 
-@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=pytest.mark.slow), pytest.param("neuron", marks=pytest.mark.slow)])
 def test_a_tied_head_and_a_kv_head_on_both_ranks(tmp_path, backend):
     """qwen2's tiny model: one KV head (each rank holds it), q/k/v and MLP biases split with
     their rows, down_proj's bias added by rank 0 alone before the sum, and an LM head tied
     to the embedding (a rank's head is its rows of it)."""
     qwen = write_tiny(tmp_path / "qwen", arch="qwen2", layers=2, mlp_bias=True)
-    bundle = build(tp_options(qwen, tmp_path / "tp2", backend=backend))
+    env = None
+    if backend == "neuron":
+        bundle, env = simulated_neuron_build(tp_options(qwen, tmp_path / "tp2", backend=backend, use_cache=False, jobs=1), tmp_path)
+    else:
+        bundle = build(tp_options(qwen, tmp_path / "tp2", backend=backend))
     weights = {w.path: w for w in bundle.manifest.entry("LlamaDecoderLayer.decode").weights}
     assert weights["self_attn.k_proj.weight"].shard.ways == 1 and weights["self_attn.k_proj.bias"].shard.ways == 1
     assert weights["self_attn.q_proj.bias"].shard.ways == 2 and weights["mlp.up_proj.bias"].shard.ways == 2
     assert weights["mlp.down_proj.bias"].shard.kind == "first"
-    report = run_json(bundle.out, PROMPTS)
+    if backend != "export":
+        assert_per_rank_collectives(bundle)
+    report = run_json(bundle.out, PROMPTS, env=env)
     assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(qwen, report, 12)
 
@@ -265,15 +269,21 @@ def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
     raise AssertionError("the launcher started no ranks")
 
 
-@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), ("xla", "generating")])
+@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), ("xla", "generating"), pytest.param("neuron", "generating", marks=pytest.mark.slow)])
 def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(request, kind, when):
     """Killed while generating, rank 0's collective fails at once; killed before it joins the
     group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first. On xla
-    the name is the killed rank's, not that of a peer JAX's coordination service then ends."""
-    tp_bundle = request.getfixturevalue("tp_bundle" if kind == "export" else "xla_tp_bundle")
+    (and the simulated Neuron host, whose collectives are JAX's) the name is the killed
+    rank's, not that of a peer JAX's coordination service then ends."""
+    env = None
+    if kind == "neuron":
+        tp_bundle, env = request.getfixturevalue("neuron_tp_bundle")
+        env = dict(os.environ, **env)
+    else:
+        tp_bundle = request.getfixturevalue("tp_bundle" if kind == "export" else "xla_tp_bundle")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi", "--max-new-tokens", "110"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     started = threading.Event()
     threading.Thread(target=lambda: (launcher.stdout.readline(), started.set()), daemon=True).start()
@@ -534,12 +544,10 @@ def xla_tp_bundle(tiny_dir, tmp_path_factory):
     return build(tp_options(tiny_dir, tmp_path_factory.mktemp("xla-tp") / "tp2", backend="xla", use_cache=False))
 
 
-def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager_tokens(xla_tp_bundle, tiny_dir):
-    """The xla bundle at 2 ranks: each decoder layer's HLO holds its two all-reduces and the
-    head's one all-gather of the logits, tiled on dim 0, each over replica_groups {{0,1}}
-    with no channel (the per-rank form Neuron compiles); a trace at rank 1 lowers to the
-    same bytes; and 2 rank processes, each its replica of the HLO, give eager's tokens."""
-    result = xla_tp_bundle
+def assert_per_rank_collectives(result) -> None:
+    """Each decoder layer's HLO holds its two all-reduces and the head's one all-gather of
+    the logits, tiled on dim 0, each over replica_groups {{0,1}} with no channel (the
+    per-rank form Neuron compiles); no other HLO holds a collective."""
     found = {}
     for entry, art in result.manifest.artifacts():
         text = (result.out / art.dir / "hlo.txt").read_text()
@@ -551,6 +559,13 @@ def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager
     assert {k: v for k, v in found.items() if "Decoder" in k[0]} == {k: ["all-reduce", "all-reduce"] for k in found if "Decoder" in k[0]}
     assert {k: v for k, v in found.items() if "LMHead" in k[0]} == {k: ["all-gather"] for k in found if "LMHead" in k[0]}
     assert all(v == [] for k, v in found.items() if "Decoder" not in k[0] and "LMHead" not in k[0])
+
+
+def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager_tokens(xla_tp_bundle, tiny_dir):
+    """The xla bundle at 2 ranks: the per-rank collectives; a trace at rank 1 lowers to the
+    same bytes; and 2 rank processes, each its replica of the HLO, give eager's tokens."""
+    result = xla_tp_bundle
+    assert_per_rank_collectives(result)
     # Rank 1's trace of a decoder layer lowers to the same HLO bytes as rank 0's, each in a
     # process of its own (JAX numbers a module's ops from a counter of its process).
     protos = [subprocess.run([sys.executable, "-c", LOWER_AT_RANK, str(tiny_dir), str(rank)], capture_output=True, text=True) for rank in (0, 1)]
@@ -577,13 +592,14 @@ def test_an_xla_parallel_bundle_loads_replicas_and_never_runs_as_one(xla_tp_bund
         bundle.bind(load_model(tiny_dir).model)
 
 
-# The sha256 of the hlo.pb that the xla backend lowers a decoder layer's decode at bucket 1
-# to, traced at rank argv[2] of 2.
+# The sha256s of the hlo.pb that the xla and neuron backends lower a decoder layer's decode
+# at bucket 1 to, traced at rank argv[2] of 2.
 LOWER_AT_RANK = """
 import hashlib, sys
 from pathlib import Path
 from aotc import parallel
 from aotc.backends.base import Specs
+from aotc.backends.neuron import named_hlo
 from aotc.backends.xla import lower
 from aotc.build import BuildOptions
 from aotc.build.key import key_graphs
@@ -593,8 +609,72 @@ with parallel.tracing(options.layout, rank=int(sys.argv[2])):
     plan = make_plan(options)
     task = next(t for t in plan.tasks if t[0].entry_id.startswith("LlamaDecoderLayer.decode"))
     (keyed,) = key_graphs(plan, [task])
-    print(hashlib.sha256(lower(keyed.graph.program, Specs(keyed.graph.inputs, keyed.graph.outputs)).hlo_proto).hexdigest())
+    proto = lower(keyed.graph.program, Specs(keyed.graph.inputs, keyed.graph.outputs)).hlo_proto
+    print(hashlib.sha256(proto).hexdigest(), hashlib.sha256(named_hlo(proto)[0]).hexdigest())  # xla's hlo.pb, neuron's
 """
+
+
+FAKES = Path(__file__).parent / "fakes"
+
+
+def simulated_neuron_build(options: BuildOptions, folder: Path):
+    """A neuron build made where neuronx-cc is absent (pending), then resumed on a simulated
+    Neuron host (tests/fakes: the compiler double writes the HLO into each NEFF; the nrtpy
+    double runs it on XLA's CPU client, each rank its replica). Returns the build and the
+    host's environment for the processes that run it: its cores shared by the ranks, and
+    one nrtpy log per rank (nrt.log.rank<r>)."""
+    from aotc.backends import neuron
+    from aotc.build import resume
+
+    (folder / "host").mkdir()
+    env = {
+        "PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join([str(FAKES), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "FAKE_NEURONX_CC_MODE": "ok", "FAKE_NEURONX_CC_CALLS": str(folder / "calls.jsonl"),
+        "NRTPY_SIM_HOST": str(folder / "host"), "NRTPY_SIM_LOG": str(folder / "nrt.log"),
+    }  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "neuronx-cc").exists()))
+        neuron.compiler_version.cache_clear()
+        result = build(options)
+        assert all(a.pending for _, a in result.manifest.artifacts())
+        for name in ("PATH", "FAKE_NEURONX_CC_MODE", "FAKE_NEURONX_CC_CALLS"):
+            mp.setenv(name, env[name])
+        neuron.compiler_version.cache_clear()
+        resume(options.out)
+    neuron.compiler_version.cache_clear()
+    return result, env
+
+
+@pytest.fixture(scope="module")
+def neuron_tp_bundle(tiny_dir, tmp_path_factory):
+    if XlaBackend().can_compile() is not None:
+        pytest.skip("needs jax and torchax")
+    folder = tmp_path_factory.mktemp("neuron-tp")
+    return simulated_neuron_build(tp_options(tiny_dir, folder / "tp2", backend="neuron", use_cache=False, jobs=1), folder)
+
+
+def test_neuron_ranks_resumed_on_a_simulated_host_each_load_their_core_for_collectives_and_give_eager_tokens(neuron_tp_bundle, tiny_dir):
+    """The neuron bundle at 2 ranks, built where neuronx-cc is absent and resumed on a
+    simulated Neuron host: the xla backend's per-rank collectives in each NEFF's HLO; each
+    rank's process takes one core of its own (NEURON_RT_VISIBLE_CORES=<rank>, core_id 0)
+    and loads every NEFF for collectives as its rank of 2 (the double refuses a NEFF with
+    collectives loaded otherwise, and runs each rank as its replica); eager's tokens."""
+    result, env = neuron_tp_bundle
+    assert_per_rank_collectives(result)
+    assert all("model.neff" in a.files and a.pending is None for _, a in read_manifest(result.out).artifacts())
+    report = run_json(result.out, PROMPTS, env=dict(os.environ, **env))
+    assert report["check"]["passed"] and report["check"]["tokens_equal"], report["check"]
+    assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(tiny_dir, report, 12)
+    executions = []
+    for rank in (0, 1):
+        events = [json.loads(line) for line in Path(f"{env['NRTPY_SIM_LOG']}.rank{rank}").read_text().splitlines()]
+        loads = [e for e in events if e["event"] == "load"]
+        assert len(loads) == len(list(result.manifest.artifacts()))
+        assert all(
+            (e["visible"], e["core_id"], e["cc_enabled"], e["rank_id"], e["world_size"], e["replicas"]) == (str(rank), 0, True, rank, 2, 2) for e in loads
+        ), loads  # fmt: skip
+        executions.append(sum(e["event"] == "execute" for e in events))
+    assert executions[0] == executions[1] > 0
 
 
 @pytest.mark.slow

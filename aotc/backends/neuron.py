@@ -15,9 +15,11 @@ import hashlib
 import importlib.util
 import re
 import shlex
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +29,7 @@ import torch
 from ..errors import AotcError, BackendError, BundleError
 from ..format import ArtifactRecord, sha256_file
 from . import xla
-from .base import Attempted, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, one_device, parallel_jobs, register_backend
+from .base import Attempted, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, joined_ranks, parallel_jobs, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -337,6 +339,73 @@ class Output:
         self.slot, self.gen = slot, gen
 
 
+# The Neuron runtime's environment for one rank of a parallel run (its configuration
+# guide): the cores the process takes for itself, exclusively; the address rank 0 listens
+# on for the collectives' setup; and the logical core size, which must be the one the
+# NEFFs were compiled for (--logical-nc-config; trn2 defaults to 2).
+VISIBLE_CORES, ROOT_COMM_ID, LOGICAL_NC = "NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "NEURON_LOGICAL_NC_CONFIG"
+DEFAULT_LNC = {"trn2": 2}  # neuronx-cc's default --logical-nc-config per target; others have no logical cores
+
+
+def visible_cores(text: str) -> list[int]:
+    """NEURON_RT_VISIBLE_CORES's cores: an index, a range "A-B", or a list of them by commas."""
+    cores = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cores += range(int(low), int(high or low) + 1)
+    except ValueError:
+        cores = []
+    if not cores:
+        raise BackendError(f"{VISIBLE_CORES}={text!r}: expected a NeuronCore index or a range such as 0-3")
+    return cores
+
+
+def rank_environment(options: NeuronOptions, rank: int, world_size: int) -> dict[str, str]:
+    """The Neuron runtime's environment for rank `rank` of a parallel run, set before nrtpy
+    starts (libnrt reads it once): each rank takes one core of its own, the launch's
+    LOCAL_RANK-th of the cores the launch was given (all of them when none was); rank 0's
+    root address comes through torch's store; the logical core size is the bundle's.
+    A value the user set is kept where it fits, and refused where it cannot work."""
+    from ..parallel import rank0_address
+
+    env = {}
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    given = os.environ.get(VISIBLE_CORES)
+    if given is None:
+        env[VISIBLE_CORES] = str(local_rank)
+    else:
+        cores = visible_cores(given)
+        if len(cores) > 1:  # the launch's cores, one for each local rank
+            if len(cores) < local_world:
+                raise BackendError(f"{VISIBLE_CORES}={given}: {len(cores)} cores for {local_world} local ranks; give each rank a core of its own")
+            env[VISIBLE_CORES] = str(cores[local_rank])
+    env[ROOT_COMM_ID] = os.environ.get(ROOT_COMM_ID) or rank0_address("aotc/neuron-root-comm-id")
+    lnc = options.lnc or DEFAULT_LNC.get(options.target)
+    if lnc is not None:
+        if os.environ.get(LOGICAL_NC, str(lnc)) != str(lnc):
+            raise BackendError(
+                f"{LOGICAL_NC}={os.environ[LOGICAL_NC]}, but the bundle's NEFFs were compiled for logical cores of {lnc} "
+                f"(--logical-nc-config {lnc}); unset it, or rebuild with --compiler-flag lnc={os.environ[LOGICAL_NC]}"
+            )
+        env[LOGICAL_NC] = str(lnc)
+    return env
+
+
+def join_cores(options: NeuronOptions, rank: int, world_size: int) -> None:
+    """Set this rank's Neuron runtime environment (rank_environment), before nrtpy starts."""
+    joined_ranks(NeuronBackend.name, rank, world_size)
+    env = rank_environment(options, rank, world_size)
+    if "nrtpy" in sys.modules:  # the runtime has read its environment already
+        differs = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        if differs:
+            raise BackendError(
+                f"rank {rank} of {world_size}: nrtpy was imported before aotc set the Neuron runtime's environment "
+                f"({', '.join(f'{k}={v}' for k, v in differs.items())}); set these before importing nrtpy, or let aotc import it"
+            )
+    os.environ.update(env)
+
+
 class NeuronDevice(Device):
     """A NeuronCore through nrtpy's documented API: weights made NrtpyTensors once, caches
     allocated as NrtpyTensors and written in place by the NEFFs, activations refilled
@@ -416,7 +485,11 @@ class NeffProgram(Program):
         """The NEFF loaded on the device's core once, its `count` inputs named as aotc names them."""
         model = self._models.get(device.core_id)
         if model is None:
-            model = self._models[device.core_id] = device.nrtpy.NrtpyModel.load_from_neff(str(self.neff), core_id=device.core_id, rank_id=rank, world_size=world_size)
+            # A NEFF with collectives is loaded for them (nrt_load_collectives), as rank_id
+            # of world_size, on the one core this rank's process sees (rank_environment).
+            model = self._models[device.core_id] = device.nrtpy.NrtpyModel.load_from_neff(
+                str(self.neff), core_id=device.core_id, cc_enabled=world_size > 1, rank_id=rank, world_size=world_size
+            )
             expected = {INPUT_NAME.format(i) for i in range(count)}
             if set(model.input_tensors_info) != expected:
                 raise BundleError(
@@ -426,7 +499,7 @@ class NeffProgram(Program):
         return model
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
-        one_device(NeuronBackend.name, rank, world_size)
+        joined_ranks(NeuronBackend.name, rank, world_size)
         device = self.backend.device_for(rank, world_size)
         model = self._model(device, rank, world_size, len(weights) + len(self.record.inputs))
         placed = [device.place(weights.tensor(i)) for i in range(len(weights))]
@@ -467,6 +540,7 @@ class NeuronBackend(Backend):
     tolerance_factor = xla.XlaBackend.tolerance_factor  # the same HLO, summed in the same other order
     static_shapes = True
     views = False  # the Neuron runtime takes whole device tensors
+    collectives_in_graph = True  # the xla backend's per-rank HLO collectives (xla_collectives), loaded with cc_enabled
     compile_memory_gb = 8  # neuronx-cc's peak for one decoder-layer graph, order of magnitude
 
     @classmethod
@@ -575,9 +649,12 @@ class NeuronBackend(Backend):
         return NeffProgram(self, art_dir / NEFF, record)
 
     def device_for(self, rank: int = 0, world_size: int = 1) -> Device:
-        # One NeuronCore per rank: the rank's core_id.
+        # One NeuronCore per rank: at one rank, core 0 of the process's cores; at more, each
+        # rank's process sees only its own core (join_cores), again core 0.
         if rank not in self._devices:
-            self._devices[rank] = NeuronDevice(rank)
+            if world_size > 1:
+                join_cores(self.options, rank, world_size)
+            self._devices[rank] = NeuronDevice(0)
         return self._devices[rank]
 
     def reference(self, art_dir: Path, record: ArtifactRecord) -> Program | None:

@@ -470,19 +470,12 @@ def join_replicas(rank: int, world_size: int) -> None:
     """Join jax.distributed as rank `rank` of `world_size`, after torch's process group
     (whose store carries the coordinator's address, published by rank 0), before JAX's
     backend starts: on the CPU its cross-process collectives run over gloo."""
-    import socket
-
     import jax
-    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ..parallel import rank0_address
 
     joined_ranks(XlaBackend.name, rank, world_size)
-    store = _get_default_store()
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        store.set(COORDINATOR, f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}")
-    address = store.get(COORDINATOR).decode()
+    address = rank0_address(COORDINATOR)
     try:
         jax.distributed.initialize(address, num_processes=world_size, process_id=rank, initialization_timeout=60)
     except RuntimeError as e:

@@ -141,7 +141,7 @@ class BuildOptions:
             able = [n for n in backend_names() if get_backend_class(n).collectives_in_graph]
             raise AotcError(
                 f"--tensor-parallel {self.tensor_parallel} --backend {self.backend}: parallel bundles are built on the "
-                f"{', '.join(able[:-1])} and {able[-1]} backends; this backend's collectives are not built yet"
+                f"{', '.join(able[:-1])} and {able[-1]} backends; this backend does not say its graphs can hold collectives (Backend.collectives_in_graph)"
             )
 
     @property

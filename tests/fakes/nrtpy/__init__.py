@@ -16,6 +16,24 @@ real one refuses:
         or output is an NrtError from execution.
     float8 tensors are reported as int8, as libnrt reports them.
 
+Cores and collectives, as the Neuron runtime's guides say (configuration guide,
+developer guide, nrtpy model API):
+    The runtime starts once per process, at its first load or tensor: it takes the cores
+    NEURON_RT_VISIBLE_CORES names (an index, a range A-B, or a list; all of the host's
+    when unset) for this process alone, and core_id counts within them. The simulated
+    host has $NRTPY_SIM_CORES cores (8), and where $NRTPY_SIM_HOST names a folder the
+    processes that share it are one host: a core another process took is refused (a
+    lock file per core). A NEFF compiled for a logical core size other than
+    NEURON_LOGICAL_NC_CONFIG is refused.
+    A NEFF whose HLO holds collectives loads only with cc_enabled (nrt_load_collectives),
+    as rank_id of world_size > 1, with NEURON_RT_ROOT_COMM_ID naming rank 0's address,
+    and replica groups within range(world_size). The first such load joins the world:
+    jax.distributed with the root as coordinator; the HLO is then compiled for
+    world_size replicas and each process runs its own, so the collectives really reach
+    the other ranks. cc_enabled on a NEFF without collectives loads it as usual.
+    Where $NRTPY_SIM_LOG is set, each process appends what it loaded and ran to
+    $NRTPY_SIM_LOG.rank<rank_id> (JSON lines).
+
 A NEFF here is what tests/fakes/neuronx-cc writes: a header line, then the HLO module
 it was given. Executing one runs that HLO on XLA's CPU client. Tensor names are the
 HLO's `neff_input_names` / `neff_output_names` frontend attributes, as neuronx-cc
@@ -27,7 +45,9 @@ device -> host (numpy()), per tensor, and per execution.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +75,63 @@ class TensorMetadata:
     dtype: str
 
 
+class _Runtime:
+    """The process's libnrt: started once, with the cores it took for itself."""
+
+    def __init__(self):
+        host_cores = int(os.environ.get("NRTPY_SIM_CORES", "8"))
+        given = os.environ.get("NEURON_RT_VISIBLE_CORES")
+        self.cores = list(range(host_cores)) if given is None else _cores(given)
+        if any(c >= host_cores for c in self.cores):
+            raise NrtError(f"NRT Error NRT_INVALID(2): NEURON_RT_VISIBLE_CORES={given}: the host has {host_cores} NeuronCores")
+        self._locks = []
+        host = os.environ.get("NRTPY_SIM_HOST")
+        for core in self.cores if host else ():
+            f = open(Path(host) / f"core{core}.lock", "a")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise NrtError(f"NRT Error NRT_RESOURCE(4): NeuronCore {core} is in use by another process (Requested: {self.cores})") from None
+            self._locks.append(f)
+
+    def core(self, core_id: int) -> int:
+        if not 0 <= core_id < len(self.cores):
+            raise NrtError(f"NRT Error NRT_INVALID(2): core_id {core_id}: this process has {len(self.cores)} NeuronCores (NEURON_RT_VISIBLE_CORES)")
+        return core_id
+
+
+def _cores(text: str) -> list[int]:
+    cores = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        cores += range(int(low), int(high or low) + 1)
+    return cores
+
+
+_STARTED: list = []
+
+
+def _runtime() -> _Runtime:
+    if not _STARTED:
+        _STARTED.append(_Runtime())
+    return _STARTED[0]
+
+
+_COLLECTIVE = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(.*")
+
+
+def _collectives(text: str) -> list[tuple[str, list[int]]]:
+    """Each collective of an HLO module's text: its opcode and the ranks its replica groups name."""
+    found = []
+    for m in _COLLECTIVE.finditer(text):
+        line = m.group(0)
+        groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}", line)
+        iota = re.search(r"replica_groups=\[[\d,]+\]<=\[(\d+)\]", line)
+        ranks = [int(r) for r in re.findall(r"\d+", groups.group(1) or "")] if groups else list(range(int(iota.group(1)))) if iota else []
+        found.append((m.group(1), ranks))
+    return found
+
+
 class NrtTensor:
     """The low-level device tensor an NrtpyTensor refers to."""
 
@@ -73,7 +150,7 @@ class NrtpyTensor:
     @classmethod
     def from_numpy(cls, array: np.ndarray, name: str | None = None, core_id: int = 0) -> "NrtpyTensor":
         array = np.ascontiguousarray(array)
-        ref = NrtTensor(array.copy(), core_id, name)
+        ref = NrtTensor(array.copy(), _runtime().core(core_id), name)
         tensor = cls(ref, array.shape, array.dtype, name)
         COUNTERS.sent(tensor, array.nbytes)
         return tensor
@@ -104,7 +181,7 @@ _PARAM = re.compile(r"^\s*(\S+) = (\w+)\[([\d,]*)\][^ ]* parameter\((\d+)\)(.*)$
 
 
 class NrtpyModel:
-    def __init__(self, name: str, neff_path: Path, core_id: int, header: dict, hlo: bytes):
+    def __init__(self, name: str, neff_path: Path, core_id: int, header: dict, hlo: bytes, world: tuple[bool, int, int]):
         self.name, self.neff_path, self.core_id = name, neff_path, core_id
         self._fp8_as_e4m3 = header.get("fp8_as_e4m3", False)
         text = _hlo_text(hlo)
@@ -124,7 +201,26 @@ class NrtpyModel:
         self._outputs = [(n, etype, [int(d) for d in dims.split(",") if d]) for n, (etype, dims) in zip(out_names, results)]
         self.input_tensors_info = {n: _metadata(e, s) for n, e, s in self._inputs}
         self.output_tensors_info = {n: _metadata(e, s) for n, e, s in self._outputs}
-        self._executable = _double.compile_hlo(hlo)
+        cc_enabled, rank_id, world_size = world
+        collectives = _collectives(text)
+        if collectives and not cc_enabled:
+            raise NrtError(f"NRT Error NRT_INVALID(2): Failed to load model: {neff_path} holds collectives ({collectives[0][0]}); load it with cc_enabled")
+        if cc_enabled:
+            if world_size < 2 or not 0 <= rank_id < world_size:
+                raise NrtError(f"NRT Error NRT_INVALID(2): Failed to load collectives: rank_id {rank_id} of world_size {world_size}")
+            root = os.environ.get("NEURON_RT_ROOT_COMM_ID")
+            if not root:
+                raise NrtError("NRT Error NRT_INVALID(2): Failed to load collectives: NEURON_RT_ROOT_COMM_ID is not set (rank 0's ip:port)")
+            outside = sorted({r for _, ranks in collectives for r in ranks if r >= world_size})
+            if outside:
+                raise NrtError(f"NRT Error NRT_INVALID(2): Failed to load collectives: replica groups name ranks {outside} outside world_size {world_size}")
+            if collectives:
+                _double.join(root, world_size, rank_id)
+        self._rank = rank_id
+        self._executable = _double.compile_hlo(hlo, world_size if collectives else 1)
+        _log(rank_id, event="load", neff=str(neff_path), core_id=core_id, visible=os.environ.get("NEURON_RT_VISIBLE_CORES"),
+             cc_enabled=cc_enabled, rank_id=rank_id, world_size=world_size, replicas=world_size if collectives else 1,
+             collectives=[op for op, _ in collectives])  # fmt: skip
 
     @classmethod
     def load_from_neff(cls, neff_path, name=None, core_id=0, cc_enabled=False, rank_id=0, world_size=1) -> "NrtpyModel":
@@ -136,7 +232,12 @@ class NrtpyModel:
         if not data.startswith(MAGIC):
             raise NrtError("NRT Error NRT_FAILURE(1): Failed to load model")
         header, hlo = data[len(MAGIC) :].split(b"\n", 1)
-        return cls(name or path.stem, path, core_id, json.loads(header), hlo)
+        header = json.loads(header)
+        core_id = _runtime().core(core_id)
+        lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+        if lnc is not None and header.get("lnc") is not None and int(lnc) != header["lnc"]:
+            raise NrtError(f"NRT Error NRT_INVALID(2): Failed to load model: compiled for logical NeuronCore size {header['lnc']}, NEURON_LOGICAL_NC_CONFIG={lnc}")
+        return cls(name or path.stem, path, core_id, header, hlo, (cc_enabled, rank_id, world_size))
 
     def __call__(self, inputs, outputs=None, save_trace=False, ntff_name=None):
         self._validate(inputs, self.input_tensors_info, "input")
@@ -148,6 +249,7 @@ class NrtpyModel:
         args = [self._as_hlo(inputs[n].tensor_ref.data, etype) for n, etype, _ in self._inputs]
         results = _double.execute(self._executable, args)
         COUNTERS.executed()
+        _log(self._rank, event="execute", neff=str(self.neff_path))
         if outputs is None:
             return {n: NrtpyTensor.from_numpy(_reported(r, e), name=n, core_id=self.core_id) for (n, e, _), r in zip(self._outputs, results)}
         missing = [n for n in self.output_tensors_info if n not in outputs]
@@ -180,6 +282,13 @@ class NrtpyModel:
         if etype == "bf16":
             return data.view(ml_dtypes.bfloat16)
         return data
+
+
+def _log(rank: int, **event) -> None:
+    log = os.environ.get("NRTPY_SIM_LOG")
+    if log:
+        with open(f"{log}.rank{rank}", "a") as f:
+            f.write(json.dumps(event) + "\n")
 
 
 def _metadata(etype: str, shape: list[int]) -> TensorMetadata:
