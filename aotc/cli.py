@@ -175,6 +175,10 @@ TENSOR_PARALLEL = typer.Option(
     1, "--tensor-parallel", min=1,
     help="Ranks to split the model across (llama family; every backend): one graph per entry and bucket serves every rank, with the collectives inside it (on xla and neuron, per-rank HLO collectives; on neuron each rank takes a NeuronCore of its own); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
 )  # fmt: skip
+EXPERT_PARALLEL = typer.Option(
+    1, "--expert-parallel", min=1,
+    help="Ranks to split the routed experts across (DeepSeek V4; every backend): attention, caches, the shared expert and the routers on every rank, each rank holding and reading only its experts; one fp32 all-reduce per MoE layer. Started as --tensor-parallel's ranks are.",
+)  # fmt: skip
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -192,6 +196,7 @@ def build(
     kv_cache_dtype: str = KV_CACHE_DTYPE,
     modeling: str = MODELING,
     tensor_parallel: int = TENSOR_PARALLEL,
+    expert_parallel: int = EXPERT_PARALLEL,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -222,7 +227,7 @@ def build(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
-            modeling=modeling, tensor_parallel=tensor_parallel, force=force,
+            modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, force=force,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         # Off a terminal rich's live bars render only at exit: a CI log (stdout to a file or a
@@ -328,6 +333,7 @@ def cache_key_command(
     kv_cache_dtype: str = KV_CACHE_DTYPE,
     modeling: str = MODELING,
     tensor_parallel: int = TENSOR_PARALLEL,
+    expert_parallel: int = EXPERT_PARALLEL,
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
 ):
     """Print one key for a whole build, without compiling (a CI cache key): the same
@@ -339,7 +345,7 @@ def cache_key_command(
         model_path, hub = resolve_model(model_dir, revision)
         options = _build_options(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
-            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, hub=hub, force=True,  # writes nothing
+            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, hub=hub, force=True,  # writes nothing
         )
         print(build_key(options))
     except AotcError as e:
@@ -835,6 +841,7 @@ def inspect(
 ):
     """Show a bundle's manifest (or, with --entry, --bucket and --context, one entry's artifacts)."""
     from .format import as_dict, read_manifest
+    from .parallel import flag
     from .plugins import load_plugins
 
     try:
@@ -853,7 +860,7 @@ def inspect(
         f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  context buckets {s.context}  "
         f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\n"
         f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  "
-        + (f"tensor parallel {m.parallel.tensor_parallel} (collectives {m.parallel.collectives}; shapes per rank)  " if m.parallel.world_size > 1 else "")
+        + (f"{flag(m.parallel).lstrip('-').replace('-', ' ')} (collectives {m.parallel.collectives}; shapes per rank)  " if m.parallel.world_size > 1 else "")
         + f"digest {m.digest()}"
     )
     table = Table()

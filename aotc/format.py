@@ -62,7 +62,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 13
+FORMAT_VERSION = 14
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -139,9 +139,11 @@ class ShardSpec:
     summing to the tensor's) in `ways` equal parts of whole `unit`s (a head's rows), rank
     r taking part r * ways // world_size (ways below the world size: a part on several
     ranks, as KV heads are when the ranks outnumber them). "first": rank 0 holds it, the
-    others zeros (a bias added before an all-reduce)."""
+    others zeros (a bias added before an all-reduce). "experts": a layer's routed experts,
+    whole, `blocks` [E] of them in `ways` equal parts along `dim` of their stack; rank r
+    holds experts [r*E/ways, (r+1)*E/ways), read from their own checkpoint tensors."""
 
-    kind: Literal["split", "first"]
+    kind: Literal["split", "first", "experts"]
     dim: int
     blocks: list[int]
     ways: int
@@ -287,6 +289,7 @@ class ParallelRecord:
 
     world_size: int
     tensor_parallel: int
+    expert_parallel: int  # routed experts split across the ranks; attention and the rest whole on every rank
     groups: list[GroupRecord]  # created in this order by every rank
     collectives: Literal["none", "in-graph"]  # in-graph: functional collectives inside the graphs
 
@@ -635,8 +638,12 @@ def _check_shapes(m: Manifest, bad) -> None:
 def _check_parallel(m: Manifest, bad) -> None:
     p = m.parallel
     world = p.world_size
-    if world < 1 or p.tensor_parallel != world:
-        bad("parallel", f"world_size {world} and tensor_parallel {p.tensor_parallel}: a bundle's ranks are its tensor-parallel degree")
+    if world < 1 or sorted((p.tensor_parallel, p.expert_parallel)) != [1, world]:
+        bad(
+            "parallel",
+            f"world_size {world}, tensor_parallel {p.tensor_parallel} and expert_parallel {p.expert_parallel}: a bundle's ranks are "
+            "its tensor-parallel or its expert-parallel degree, the other 1",
+        )
     want = [list(range(world))] if world > 1 else []
     if [g.ranks for g in p.groups] != want or p.collectives != ("in-graph" if world > 1 else "none"):
         bad("parallel.groups", f"{[g.ranks for g in p.groups]} with collectives {p.collectives!r}, for world_size {world}")
@@ -649,6 +656,8 @@ def _check_parallel(m: Manifest, bad) -> None:
                 bad(where, "a shard in a bundle of one rank")
             if spec.kind == "first":
                 continue
+            if (spec.kind == "experts") != (p.expert_parallel > 1):
+                bad(where, f"a shard of kind {spec.kind!r} in a bundle of tensor_parallel {p.tensor_parallel}, expert_parallel {p.expert_parallel}")
             if not 0 <= spec.dim < len(w.shape) or spec.ways < 1 or world % spec.ways or spec.unit < 1 or not spec.blocks:
                 bad(where, f"dim {spec.dim}, ways {spec.ways}, unit {spec.unit}, blocks {spec.blocks} for shape {w.shape} at world_size {world}")
             if any(b < 1 or b % (spec.ways * spec.unit) for b in spec.blocks) or sum(b // spec.ways for b in spec.blocks) != w.shape[spec.dim]:

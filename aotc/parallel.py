@@ -29,18 +29,25 @@ import torch
 from .errors import AotcError
 from .format import GroupRecord, ParallelRecord, ShardSpec
 
-SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, groups=[], collectives="none")
+SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, expert_parallel=1, groups=[], collectives="none")
 # A collective that waits longer than this on a rank that died or hangs fails on the
 # others (the launcher ends them first, within seconds, when it sees a rank die).
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def record(degree: int) -> ParallelRecord:
-    """The layout of a build at tensor-parallel degree `degree`: one group of every rank,
-    named as torch names the default group (the graphs' collectives carry the name)."""
-    if degree == 1:
+def record(degree: int, experts: int = 1) -> ParallelRecord:
+    """The layout of a build at tensor-parallel degree `degree`, or expert-parallel degree
+    `experts` (one of them 1): one group of every rank, named as torch names the default
+    group (the graphs' collectives carry the name)."""
+    world = degree * experts
+    if world == 1:
         return SINGLE
-    return ParallelRecord(world_size=degree, tensor_parallel=degree, groups=[GroupRecord("0", list(range(degree)))], collectives="in-graph")
+    return ParallelRecord(world_size=world, tensor_parallel=degree, expert_parallel=experts, groups=[GroupRecord("0", list(range(world)))], collectives="in-graph")
+
+
+def flag(layout: ParallelRecord) -> str:
+    """The build option that made a layout, as a user gave it."""
+    return f"--expert-parallel {layout.expert_parallel}" if layout.expert_parallel > 1 else f"--tensor-parallel {layout.tensor_parallel}"
 
 
 def group_name(layout: ParallelRecord) -> str | None:
@@ -76,21 +83,26 @@ def split(dim: int, size: int, ways: int, unit: int = 1) -> ShardSpec:
 FIRST = ShardSpec("first", 0, [], 1, 1)
 
 
+def experts(count: int, ways: int) -> ShardSpec:
+    """A layer's `count` routed experts, whole, in `ways` equal parts of their stack."""
+    return ShardSpec("experts", 0, [count], ways, 1)
+
+
 def fits(spec: ShardSpec) -> bool:
     """Whether each block divides into `ways` parts of whole units."""
     return spec.kind == "first" or all(b % (spec.ways * spec.unit) == 0 for b in spec.blocks)
 
 
 def full_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The checkpoint tensor's shape of a rank's part of `shape`."""
-    if spec is None or spec.kind == "first":
+    """The checkpoint tensor's shape of a rank's part of `shape` (an expert's tensor is whole)."""
+    if spec is None or spec.kind != "split":
         return tuple(shape)
     return tuple(sum(spec.blocks) if d == spec.dim else n for d, n in enumerate(shape))
 
 
 def rank_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of a rank's part of a checkpoint tensor of `shape`."""
-    if spec is None or spec.kind == "first":
+    """The shape of a rank's part of a checkpoint tensor of `shape` (an expert's tensor is whole)."""
+    if spec is None or spec.kind != "split":
         return tuple(shape)
     return tuple(sum(b // spec.ways for b in spec.blocks) if d == spec.dim else n for d, n in enumerate(shape))
 
@@ -109,7 +121,7 @@ def ranges(spec: ShardSpec, rank: int, world_size: int) -> list[tuple[int, int]]
 def piece(read, *, spec: ShardSpec | None, rank: int, world_size: int) -> torch.Tensor:
     """A rank's part of one checkpoint tensor: read(index) reads the tensor's elements at a
     tuple of slices, read(None) all of them (safetensors' get_slice: only those bytes)."""
-    if spec is None:
+    if spec is None or spec.kind == "experts":  # an expert this rank holds: its tensor whole
         return read(None)
     if spec.kind == "first":
         first = read(None)
@@ -123,7 +135,7 @@ def piece(read, *, spec: ShardSpec | None, rank: int, world_size: int) -> torch.
 def scaled(spec: ShardSpec | None, block: int) -> ShardSpec | None:
     """The shard of a block-scale tensor (a scale per `block` elements along each dim) that
     goes with its values' `spec`; None where the values' parts split a block."""
-    if spec is None or spec.kind == "first":
+    if spec is None or spec.kind != "split":  # whole tensors: their scales whole too
         return spec
     if any((b // spec.ways) % block for b in spec.blocks):
         return None
@@ -147,6 +159,8 @@ def misfit(specs: dict[str, ShardSpec], degree: int) -> str | None:
         if s.kind == "split" and (not fits(s) or degree % s.ways):
             what = f"{sum(s.blocks)} rows" + (f" ({sum(s.blocks) // s.unit} heads of {s.unit})" if s.unit > 1 else "")
             return f"{name} has {what} along dim {s.dim}, which do not split into {degree} equal parts"
+        if s.kind == "experts" and (not fits(s) or degree % s.ways):
+            return f"{name}: {sum(s.blocks)} routed experts (n_routed_experts) do not split into {degree} equal parts"
     return None
 
 

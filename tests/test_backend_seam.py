@@ -121,4 +121,6 @@ def test_a_backend_from_a_plugin_builds_runs_checks_and_verifies(tiny_dir, tmp_p
     r = runner.invoke(app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--tensor-parallel", "2", "-o", str(tmp_path / "tp")])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and "--tensor-parallel 2 --backend fx_interpreter: parallel bundles are built on the export, inductor, neuron and xla backends" in said, said
+    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--expert-parallel", "2", "-o", str(tmp_path / "tp")])
+    assert r.exit_code == 2 and "--expert-parallel 2 --backend fx_interpreter: parallel bundles are built on" in " ".join(r.output.split())
     assert not (tmp_path / "tp").exists()

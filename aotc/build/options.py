@@ -12,7 +12,7 @@ from ..errors import AotcError
 from ..format import DEFAULT_ARTIFACTS, HubRecord, KvCacheRecord
 from ..kvcache import kv_cache_record
 from ..models.registry import MODELING, modeling_of
-from ..parallel import record
+from ..parallel import flag, record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 # A chat turn runs in one call of 16 or 64 rows instead of padding to 128 (bench section
@@ -96,6 +96,8 @@ class BuildOptions:
     modeling: str = "auto"
     # Ranks the graphs are split across (aotc.parallel): one SPMD graph per artifact for all.
     tensor_parallel: int = 1
+    # Ranks the routed experts are split across, attention whole on every rank (DeepSeek V4).
+    expert_parallel: int = 1
     # Replace what the default -o holds even when it is a bundle of another model or backend.
     force: bool = False
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
@@ -112,8 +114,14 @@ class BuildOptions:
             raise AotcError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.modeling not in MODELING:
             raise AotcError(f"--modeling {self.modeling!r}: expected one of {', '.join(MODELING)}")
-        if self.tensor_parallel < 1:
-            raise AotcError(f"--tensor-parallel {self.tensor_parallel}: expected a positive integer (1: one device)")
+        for name, degree in (("--tensor-parallel", self.tensor_parallel), ("--expert-parallel", self.expert_parallel)):
+            if degree < 1:
+                raise AotcError(f"{name} {degree}: expected a positive integer (1: one device)")
+        if self.tensor_parallel > 1 and self.expert_parallel > 1:
+            raise AotcError(
+                f"--tensor-parallel {self.tensor_parallel} --expert-parallel {self.expert_parallel}: aotc builds one of them at a time; "
+                "give --expert-parallel N alone (experts split, attention on every rank), or --tensor-parallel N alone"
+            )
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
         model, out = self.model_dir.resolve(), self.out.resolve()
@@ -137,17 +145,17 @@ class BuildOptions:
                 self.backend_note = f"using the export backend: inductor is unavailable: {why}"
         if defaulted and not self.force:
             self._check_default_out()
-        if self.tensor_parallel > 1 and not get_backend_class(self.backend).collectives_in_graph:
+        if self.layout.world_size > 1 and not get_backend_class(self.backend).collectives_in_graph:
             able = [n for n in backend_names() if get_backend_class(n).collectives_in_graph]
             raise AotcError(
-                f"--tensor-parallel {self.tensor_parallel} --backend {self.backend}: parallel bundles are built on the "
+                f"{flag(self.layout)} --backend {self.backend}: parallel bundles are built on the "
                 f"{', '.join(able[:-1])} and {able[-1]} backends; this backend does not say its graphs can hold collectives (Backend.collectives_in_graph)"
             )
 
     @property
     def layout(self):
         """How the graphs split across ranks (format.ParallelRecord)."""
-        return record(self.tensor_parallel)
+        return record(self.tensor_parallel, self.expert_parallel)
 
     @classmethod
     def of_manifest(cls, manifest, model_dir: Path) -> "BuildOptions":
@@ -160,7 +168,7 @@ class BuildOptions:
             chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
             kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
-            tensor_parallel=manifest.parallel.tensor_parallel, force=True,  # nothing is written: no -o to check
+            tensor_parallel=manifest.parallel.tensor_parallel, expert_parallel=manifest.parallel.expert_parallel, force=True,  # nothing is written: no -o to check
         )  # fmt: skip
 
     def resolve_contexts(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .. import parallel
 from ..backends import Backend
 from ..errors import AotcError
 from ..layout import graph_weights
@@ -71,7 +72,10 @@ def with_shards(variant: Variant, model) -> Variant:
         names = w.sources or [w.path]
         specs = [weight_shard(model, f"{path}.{n}" if path else n, w.stored) for n in names]
         if w.transform is not None and any(specs):
-            raise AotcError(f"--tensor-parallel: {variant.entry_id}'s weight {w.path} is derived ({w.transform}) from tensors the plan splits; aotc splits plain weights only")
+            # A stack of whole experts is split by experts (its own spec); no other derived weight splits.
+            if not all(s is not None and s.kind == "experts" for s in specs):
+                raise AotcError(f"{parallel.flag(layout)}: {variant.entry_id}'s weight {w.path} is derived ({w.transform}) from tensors the plan splits; aotc splits plain weights only")
+            specs = [weight_shard(model, f"{path}.{w.path}" if path else w.path, w.stored)]
         if specs[0] is not None:
             shards[w.key] = specs[0]
     return dataclasses.replace(variant, layout=layout, shards=shards)

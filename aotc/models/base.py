@@ -87,13 +87,23 @@ class CausalLM(nn.Module):
         in its entry methods (aotc.parallel.all_reduce, all_gather)."""
         return None
 
+    @classmethod
+    def expert_specs(cls, config, degree: int) -> dict[str, ShardSpec] | None:
+        """The model's expert-parallel plan at `degree` ranks: {parameter path, `*` for an
+        index: parallel.experts(...)} for each routed expert's tensors and their stacks;
+        everything else whole on every rank. None: the model has no plan. A model with
+        one builds rank `config.rank`'s experts (whose checkpoint names it gives) and sums
+        their partial outputs across ranks in its entry methods."""
+        return None
+
     def shard_of(self, param: str) -> ShardSpec | None:
         """How this rank takes parameter `param` from the checkpoint; None: whole."""
         layout = self.config.parallel
         if layout.world_size == 1:
             return None
         if "_shard_specs" not in self.__dict__:
-            self.__dict__["_shard_specs"] = type(self).shard_specs(self.config, layout.tensor_parallel)
+            plan = type(self).shard_specs if layout.tensor_parallel > 1 else type(self).expert_specs
+            self.__dict__["_shard_specs"] = plan(self.config, layout.world_size)
         return parallel.spec_of(self._shard_specs, param)
 
     def init_buffers(self) -> None:
@@ -218,23 +228,26 @@ def parse_config(
             )
         config = dataclasses.replace(config, kv_cache=kv_cache)
     if layout is not None and layout.world_size > 1:
-        _check_degree(arch, config, layout.tensor_parallel)
+        _check_degree(arch, config, layout)
         config = dataclasses.replace(config, parallel=layout)
     return config_dict, arch, config
 
 
-def _check_degree(arch: Architecture, config, degree: int) -> None:
-    """--tensor-parallel N: the model has a plan, and every tensor it splits splits N ways."""
-    specs_at = functools.partial(arch.model_class.shard_specs, config)
+def _check_degree(arch: Architecture, config, layout: ParallelRecord) -> None:
+    """--tensor-parallel N or --expert-parallel N: the model has that plan, and every
+    tensor it splits splits N ways."""
+    degree, option = layout.world_size, parallel.flag(layout)
+    if layout.tensor_parallel > 1:
+        specs_at, has = functools.partial(arch.model_class.shard_specs, config), "the llama family has: llama, qwen2, mistral"
+    else:
+        specs_at, has = functools.partial(arch.model_class.expert_specs, config), "DeepSeek V4 has"
     if specs_at(degree) is None:
-        raise ConfigError(
-            f"--tensor-parallel {degree}: {arch.name} models have no tensor-parallel plan in aotc (the llama family has: "
-            "llama, qwen2, mistral); build it with --tensor-parallel 1"
-        )
+        kind = option.split()[0].removeprefix("--")
+        raise ConfigError(f"{option}: {arch.name} models have no {kind} plan in aotc ({has}); build it with {option.split()[0]} 1")
     why = parallel.misfit(specs_at(degree), degree)
     if why:
         valid = parallel.valid_degrees(specs_at, max(degree, 64))
-        raise ConfigError(f"--tensor-parallel {degree}: {why}; valid degrees for this model: {', '.join(map(str, valid))}")
+        raise ConfigError(f"{option}: {why}; valid degrees for this model: {', '.join(map(str, valid))}")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # model.layers.3.*, transformer.h.3.*
@@ -294,6 +307,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config_dict, arch, config = parse_config(model_dir, kv_cache, modeling, layout)
+    config = dataclasses.replace(config, rank=rank)
     checkpoint = Checkpoint(model_dir)
     _check_layer_count(config, checkpoint)
     if not weights:

@@ -68,6 +68,9 @@ class ModelConfig:
     # How the graphs split across ranks: set by the build (--tensor-parallel), not by config.json.
     # A model builds each rank's sizes from it (CausalLM.shard_specs).
     parallel: ParallelRecord = field(default_factory=lambda: SINGLE, kw_only=True)
+    # Which rank's part of the layout this model is (load_model's rank), where a model's
+    # parameters depend on it (the experts a rank holds); never in a graph or a cache key.
+    rank: int = field(default=0, kw_only=True)
 
 
 class ConfigReader:

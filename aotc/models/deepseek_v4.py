@@ -46,12 +46,14 @@ k, gathers by slot, masks):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel
 from ..entry import entry
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from ..layout import Derived
@@ -506,11 +508,36 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    """The router, the routed experts and the shared expert. At expert-parallel degree N
+    (--expert-parallel) this rank holds experts [rank*E/N, (rank+1)*E/N) as its experts
+    0..E/N-1, and `expert_map` (a weight: each rank's own values, one graph for all)
+    takes the router's choices to them: E/N where another rank holds the expert. Each
+    rank computes its experts' part of every row, and one fp32 all-reduce sums the parts."""
+
     def __init__(self, c: DeepseekV4Config, hashed: bool):
         super().__init__()
         self.gate = Gate(c, hashed)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype) for _ in range(c.n_routed_experts))
+        ways = c.parallel.expert_parallel
+        n = c.n_routed_experts // ways
+        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype) for _ in range(n))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype)
+        self.group, self.first = (parallel.group_name(c.parallel), c.rank * n) if ways > 1 else (None, 0)
+        if self.group is not None:
+            # int64, as the hash tables: an xla module narrows int64 to int32 without JAX's x64 mode,
+            # and its signature check reads every int32 input as that narrowed int64.
+            self.register_buffer("expert_map", torch.empty(c.n_routed_experts, dtype=torch.long), persistent=False)
+
+    def init_map(self) -> None:
+        if self.group is not None:
+            n = len(self.experts)
+            self.expert_map = torch.full(self.expert_map.shape, n, dtype=torch.long)
+            self.expert_map[self.first : self.first + n] = torch.arange(n)
+
+    def local(self, chosen, weights):
+        """The router's choices as this rank's experts (E/N: another rank's), and their
+        weights, 0 for another rank's."""
+        local = self.expert_map[chosen]
+        return local, weights * (local < len(self.experts))
 
     def derived_weights(self):
         # Compiled graphs take the experts stacked, [E, out, in], so that a decode step
@@ -521,23 +548,47 @@ class MoE(nn.Module):
     def forward(self, x, ids):
         """Each expert once, on the tokens routed to it (a loop over the experts)."""
         chosen, weights = self.gate(x, ids)  # [N, k]
-        return self.each_expert(x, chosen, weights) + self.shared_experts(x)
+        if self.group is None:
+            return self.each_expert(x, chosen, weights) + self.shared_experts(x)
+        partial = self.each_expert(x, *self.local(chosen, weights), dtype=torch.float32)
+        return parallel.all_reduce(partial, self.group).to(x.dtype) + self.shared_experts(x)
 
     def compiled_forward(self, x, ids, derived):
-        """Each token's chosen experts gathered from the stacked weights, where a step makes fewer choices than there are experts; else the loop over the experts."""
+        """Each token's chosen experts gathered from the stacked weights, where a step makes
+        fewer choices than there are experts; else the loop over the experts. Across ranks:
+        the rank's experts densely on every row where the choices reach their number, else
+        gathered; then one fp32 all-reduce of the parts."""
         chosen, weights = self.gate(x, ids)  # [N, k]
-        if chosen.numel() < len(self.experts):
-            out = self.gathered(x, chosen, weights, derived)
-        else:  # as many choices as experts: reading every expert once is the least
-            out = self.each_expert(x, chosen, weights)
-        return out + self.shared_experts(x)
+        n = len(self.experts)
+        if self.group is None:
+            if chosen.numel() < n:
+                out = self.gathered(x, chosen, weights, derived)
+            else:  # as many choices as experts: reading every expert once is the least
+                out = self.each_expert(x, chosen, weights)
+            return out + self.shared_experts(x)
+        local, weights = self.local(chosen, weights)
+        if chosen.numel() < n:  # another rank's choice reads expert n-1 with weight 0
+            partial = self.gathered(x, local.clamp(max=n - 1), weights, derived, torch.float32)
+        else:  # static shapes on every backend: each of the rank's experts once, on every row
+            partial = self.dense(x, local, weights, derived)
+        return parallel.all_reduce(partial, self.group).to(x.dtype) + self.shared_experts(x)
 
-    def each_expert(self, x, chosen, weights):
+    def dense(self, x, local, weights, stacked):
+        """The rank's experts on every row, each row weighted by its weight for the expert
+        (the sum over its slots that chose it; 0 where none did), summed in fp32."""
+        limit, n = self.experts[0].limit, len(self.experts)
+        per_expert = (weights[..., None] * (local[..., None] == torch.arange(n, device=x.device))).sum(1)  # [N, n]
+        gate = torch.einsum("nh,eih->eni", x, stacked["stacked_w1"]).clamp(max=limit)
+        up = torch.einsum("nh,eih->eni", x, stacked["stacked_w3"]).clamp(min=-limit, max=limit)
+        h = F.silu(gate) * up * per_expert.t()[..., None].to(up.dtype)
+        return torch.einsum("eni,ehi->nh", h, stacked["stacked_w2"]).float()
+
+    def each_expert(self, x, chosen, weights, dtype=None):
         """Each expert once on the tokens routed to it, each token once per expert: a token
         whose picks name one expert in several slots (a hash-routing table may) gets it
         weighted by the sum of those slots' weights, what transformers' sum over (token,
         slot) pairs gives."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=dtype)
         for e, expert in enumerate(self.experts):
             picked = chosen == e  # [N, k]
             (rows,) = picked.any(dim=-1).nonzero(as_tuple=True)  # the tokens routed to expert e
@@ -546,7 +597,7 @@ class MoE(nn.Module):
             out.index_add_(0, rows, (expert(x[rows]) * w[rows, None]).to(out.dtype))
         return out
 
-    def gathered(self, x, chosen, weights, stacked):
+    def gathered(self, x, chosen, weights, stacked, dtype=None):
         """The experts' SwiGLU on each token's chosen experts only. Written as multiply
         and sum over the indexed matrices: Inductor fuses the indexing into the
         reduction, so each chosen matrix is read once and none is copied."""
@@ -555,7 +606,7 @@ class MoE(nn.Module):
         gate = (xe * stacked["stacked_w1"][chosen]).sum(-1).clamp(max=limit)  # [N, k, I]
         up = (xe * stacked["stacked_w3"][chosen]).sum(-1).clamp(min=-limit, max=limit)
         h = F.silu(gate) * up * weights[..., None]
-        return (h[:, :, None, :] * stacked["stacked_w2"][chosen]).sum((1, 3)).to(x.dtype)
+        return (h[:, :, None, :] * stacked["stacked_w2"][chosen]).sum((1, 3)).to(dtype or x.dtype)
 
 
 def hyper_weights(streams, fn, base, scale, iters: int, eps: float):
@@ -724,7 +775,19 @@ class DeepseekV4ForCausalLM(CausalLM):
     # -- checkpoint names: as transformers saves them, or DeepSeek's originals --
     _FINAL = {"final.hc_head.": "model.hc_head.", "final.norm.weight": "model.norm.weight", "final.head.weight": "head.weight"}
 
+    _EXPERT = re.compile(r"(model\.layers\.\d+\.ffn\.experts\.)(\d+)(\..+)")
+
+    @classmethod
+    def expert_specs(cls, config, degree: int):
+        spec = parallel.experts(config.n_routed_experts, degree)
+        names = [f"experts.*.{w}.weight" for w in ("w1", "w2", "w3")] + [f"stacked_{w}" for w in ("w1", "w2", "w3")]
+        return {f"model.layers.*.ffn.{name}": spec for name in names}
+
     def checkpoint_name(self, param: str) -> list[str]:
+        expert = self._EXPERT.fullmatch(param)
+        if expert and self.config.parallel.expert_parallel > 1:  # this rank's expert j is the checkpoint's rank*E/N + j
+            j = int(expert.group(2)) + self.config.rank * self.config.n_routed_experts // self.config.parallel.expert_parallel
+            param = f"{expert.group(1)}{j}{expert.group(3)}"
         for ours, theirs in self._FINAL.items():
             if param.startswith(ours):
                 name = theirs + param[len(ours) :]
@@ -741,6 +804,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         for layer in self.model.layers:
             for kind in ("main", "compress"):
                 setattr(layer.attn, f"{kind}_inv_freq", rope_inv_freq(self.config, kind)[0])
+            layer.ffn.init_map()
 
     def check_values(self, describe) -> None:
         """A hash-routing table names experts that exist: the graphs index the stacked

@@ -27,6 +27,7 @@ from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, c
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
+from ..parallel import flag
 from ..plugins import load_plugins
 from ..kvcache import Regions
 from .dispatch import Dispatcher, StepMemo
@@ -136,7 +137,7 @@ class Bundle:
         config_class = type(loaded.config)
         ours = dataclasses.asdict(loaded.config)
         theirs = config_class.from_hf(ConfigReader(built.config, f"{self.dir}/{MANIFEST}"))
-        theirs = dataclasses.asdict(dataclasses.replace(theirs, kv_cache=built.kv_cache, parallel=self.manifest.parallel))
+        theirs = dataclasses.asdict(dataclasses.replace(theirs, kv_cache=built.kv_cache, parallel=self.manifest.parallel, rank=loaded.config.rank))
         for key in ours:
             if key in config_class.RUNTIME_ONLY:
                 continue
@@ -183,7 +184,7 @@ class Bundle:
         layout = self.manifest.parallel
         if world_size != layout.world_size or model.config.parallel != layout:
             raise BundleError(
-                f"{self.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); bind(world_size={world_size}) "
+                f"{self.dir} runs on {layout.world_size} ranks ({flag(layout)}); bind(world_size={world_size}) "
                 f"of a model loaded for {model.config.parallel.world_size}: load each rank's part with load_model(layout=the bundle's "
                 "parallel record, rank=r) and bind it with that rank (aotc run does)"
             )

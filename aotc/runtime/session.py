@@ -407,7 +407,7 @@ def _join(b: Bundle, threads: int | None) -> tuple[int, int, int | None]:
     """(rank, world size, threads) for this process: a parallel bundle's ranks each open it
     in a process of a launch (torchrun: RANK and WORLD_SIZE set), which joins its group here;
     the local ranks share the CPUs out unless threads says otherwise."""
-    from ..parallel import join, joined_rank
+    from ..parallel import flag, join, joined_rank
     from .launch import threads_per_rank
 
     layout = b.manifest.parallel
@@ -416,12 +416,12 @@ def _join(b: Bundle, threads: int | None) -> tuple[int, int, int | None]:
     launched = joined_rank()
     if launched is None:
         raise AotcError(
-            f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}): open it in each "
+            f"{b.dir} runs on {layout.world_size} ranks ({flag(layout)}): open it in each "
             f"process of a launch, e.g. `torchrun --nproc-per-node {layout.world_size} your_program.py`, or run it with `aotc run {b.dir}`"
         )
     rank, world = launched
     if world != layout.world_size:
-        raise AotcError(f"{b.dir} runs on {layout.world_size} ranks (--tensor-parallel {layout.tensor_parallel}); this launch has WORLD_SIZE={world}")
+        raise AotcError(f"{b.dir} runs on {layout.world_size} ranks ({flag(layout)}); this launch has WORLD_SIZE={world}")
     join(layout, rank, b.device)
     return rank, world, threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 

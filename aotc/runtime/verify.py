@@ -50,6 +50,7 @@ from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
 from ..models.base import full_precision, load_model, memory_shortfall, reference_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
+from ..parallel import flag
 from ..kvcache import Fp8Rows, Regions
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
@@ -115,7 +116,7 @@ def verify(
     manifest = read_manifest(path)
     if manifest.parallel.world_size > 1:
         raise BundleError(
-            f"{path} runs on {manifest.parallel.world_size} ranks (--tensor-parallel {manifest.parallel.tensor_parallel}): its graphs "
+            f"{path} runs on {manifest.parallel.world_size} ranks ({flag(manifest.parallel)}): its graphs "
             "sum and gather across ranks, which one process cannot run alone. Check it with aotc run --check, which starts the "
             "ranks and compares them with the whole eager model"
         )

@@ -1,9 +1,11 @@
 """parallel: batch-1 decode of one bundle at --tensor-parallel 1 and 2, ~100M model (tiny
 under --quick), each through `aotc run --check` in fresh processes (TP=2: two local gloo
 ranks, each with half the cores), beside eager in one process; and the weight bytes each
-rank holds, by kind. On a machine of 2 cores this shows correctness and the collectives'
-overhead, not a speed-up: two ranks of one thread each do the work of one process of two
-threads, plus two all-reduces a layer and a gather of the logits per step."""
+rank holds, by kind. Then a DeepSeek V4 (the tiny one, 3 layers and 4 experts, under
+--quick; else 6 layers of the v4 section's ~100M shapes, 16 experts) at --expert-parallel 1 and 2 the same way, with the
+routed experts' bytes each rank holds. On a machine of 2 cores this shows correctness and
+the collectives' overhead, not a speed-up: two ranks of one thread each do the work of one
+process of two threads, plus their all-reduces per step."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 
 from aotc import parallel
 from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from common import MAX_SEQ, Run, section, table
 
@@ -48,6 +51,44 @@ def rank_bytes(bundle_dir, model_dir, degree: int) -> list[dict]:
     return rows
 
 
+def expert_bytes(bundle_dir, model_dir) -> list[dict]:
+    """The routed experts' bytes each rank's graphs hold (their stacks), and the rest."""
+    bundle = Bundle.load(bundle_dir)
+    layout = bundle.manifest.parallel
+    rows = []
+    for rank in range(layout.world_size):
+        with parallel.tracing(layout, rank=rank):
+            model = load_model(model_dir, layout=layout, rank=rank).model
+            bundle.bind(model, rank=rank, world_size=layout.world_size)
+        stacks = {p.data_ptr() for n, p in model.named_parameters() if ".ffn.experts." in n}
+        held = {t.data_ptr(): t for m in model.modules() for d in vars(m).values() if hasattr(d, "steps") for s in d.steps.values() for st in s.values() for t in st.weights}
+        # A stack's sources are views of it: the stack is held where its first expert's tensor starts.
+        routed = sum(t.nbytes for k, t in held.items() if k in stacks and t.dim() == 3)
+        rows.append({"expert parallel": layout.expert_parallel, "rank": rank, "routed experts MB": routed / 1e6, "rest MB": (sum(t.nbytes for t in held.values()) - routed) / 1e6})
+    return rows
+
+
+def v4_experts(run: Run, new: str) -> tuple[list[dict], list[dict]]:
+    from sections.v4 import V4_100M
+
+    model_dir = write_tiny(run.root / "parallel-v4", arch="deepseek_v4", layers=3 if run.quick else 6, force=True, **({} if run.quick else V4_100M))
+    rows, weights = [], []
+    for n in (1, 2):
+        out = run.bundle(model_dir, f"parallel-ep{n}", batch_buckets=(1,), chunk_buckets=(64,), expert_parallel=n)
+        report = _aotc_run([str(out), "--check", "--max-new-tokens", new])
+        t = report["timings"]
+        rows.append({
+            "what": f"DeepSeek V4, aotc {run.backend}, expert parallel {n}", "ranks": n, "decode tokens/s": t["decode_tokens_per_s"],
+            "ttft ms": t["ttft_s"] * 1e3, "tokens equal eager": report["check"]["tokens_equal"], "max logit diff": report["check"]["max_logit_diff"],
+        })  # fmt: skip
+        weights += expert_bytes(out, model_dir)
+    for r in rows:
+        r["vs expert parallel 1"] = r["decode tokens/s"] / rows[0]["decode tokens/s"]
+    for w in weights:
+        w["routed / EP=1's"] = w["routed experts MB"] / weights[0]["routed experts MB"]
+    return rows, weights
+
+
 @section("parallel")
 def parallel_section(run: Run) -> dict:
     name = run.main
@@ -74,4 +115,7 @@ def parallel_section(run: Run) -> dict:
         w["split / TP=1's split"] = w["split MB"] / split1
     table(f"batch-1 decode, {name} model, {new} new tokens, max_seq {MAX_SEQ} (2 cores: correctness and overhead, not speed)", rows)
     table("weight bytes each rank's graphs hold", weights)
-    return {"model": name, "new_tokens": int(new), "rows": rows, "weights": weights}
+    v4_rows, v4_weights = v4_experts(run, new)
+    table(f"batch-1 decode, DeepSeek V4, {new} new tokens (2 cores: correctness and overhead, not speed)", v4_rows)
+    table("routed experts' bytes each rank's graphs hold", v4_weights)
+    return {"model": name, "new_tokens": int(new), "rows": rows, "weights": weights, "v4_rows": v4_rows, "v4_weights": v4_weights}
