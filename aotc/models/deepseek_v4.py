@@ -554,10 +554,10 @@ class MoE(nn.Module):
         return parallel.all_reduce(partial, self.group).to(x.dtype) + self.shared_experts(x)
 
     def compiled_forward(self, x, ids, derived):
-        """Each token's chosen experts gathered from the stacked weights, where a step makes
-        fewer choices than there are experts; else the loop over the experts. Across ranks:
-        the rank's experts densely on every row where the choices reach their number, else
-        gathered; then one fp32 all-reduce of the parts."""
+        """Each token's chosen experts gathered from the stacked weights, where a step makes fewer choices than there are experts; else the loop over the experts.
+
+        Across ranks: the rank's experts densely on every row where the choices reach their
+        number, else gathered; then one fp32 all-reduce of the parts."""
         chosen, weights = self.gate(x, ids)  # [N, k]
         n = len(self.experts)
         if self.group is None:
