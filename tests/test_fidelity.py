@@ -15,7 +15,8 @@ from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.format import artifact_dir
 from aotc.models.tiny import write_tiny
-from aotc.runtime.check import bound, error
+from aotc.runtime.check import bound, compare_to_reference, error
+from aotc.runtime.generate import Generation, Sequence
 from aotc.runtime.verify import Writes, verify
 
 from .conftest import rehash
@@ -94,3 +95,29 @@ def test_writes_are_found_where_eager_wrote_an_equal_value():
     with Writes([packed]) as writes:
         packed[1, 4:8].view(torch.float32).fill_(1.0)
     assert writes.mask(packed).tolist() == [[False] * 8, [False] * 4 + [True] * 4]
+
+
+def _run(ids: list[int], rows: list[list[float]]) -> Generation:
+    return Generation([Sequence([1, 2], list(ids), [torch.tensor(r) for r in rows])])
+
+
+def test_a_lower_precision_run_passes_with_near_ties_only_never_with_a_wrong_token():
+    """compare_to_reference on a bundle whose tokens differ from float32 eager's at two
+    steps: where both differences are near-ties (the reference's gap within the error
+    allowed) the run passes, reporting the widest gap; where one of them is a genuinely
+    wrong token (a gap of 0.1 where 0.08 is allowed), it fails, however near the other."""
+    # The reference (float32 eager, forced along the bundle's tokens) prefers token 0 at
+    # steps 1 and 2; the bundle chose token 1 there. Its logits and its twin's are within
+    # 0.04 of the reference's: 0.08 allowed (twice the twin's error).
+    def case(gap_at_2: float):
+        ref = [[1.0, 0.0, 0.0], [0.0, -0.001, 0.0], [0.0, -gap_at_2, 0.0]]
+        ours = [[r[0] + 0.01, r[1], r[2]] for r in ref]
+        twin = [[r[0] + 0.04, r[1], r[2]] for r in ref]
+        ids = [0, 1, 1]
+        return compare_to_reference(_run(ids, ours), _run(ids, twin), _run(ids, ref), 1e-3, "bfloat16").per_prompt[0]
+
+    near = case(0.05)
+    assert near.passed and not near.equal and near.near_tie_gap == pytest.approx(0.05) and near.bound == pytest.approx(0.08)
+    assert near.matching_tokens == 1 and near.eager_new_ids == [0, 0, 0]
+    wrong = case(0.1)
+    assert wrong.logits_close and not wrong.passed and wrong.near_tie_gap is None

@@ -125,6 +125,54 @@ def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir, monk
     assert parts[1].cache_specs(5, 128)["k"][0] == (2, 5, 1, 128, 64)  # one of the 2 KV heads
 
 
+def test_a_bias_added_before_a_sum_is_added_once_across_the_ranks(tmp_path):
+    """A llama with attention_bias: o_proj's bias is added before the all-reduce, so rank 0
+    holds it and the others zeros, and the ranks' biases sum to the model's (each rank
+    holding it whole would add it twice to every layer's output, at every step); the
+    biases that are split with their rows are the model's, in parts."""
+    model_dir = write_tiny(tmp_path / "biased", layers=1, attention_bias=True)
+    full = load_model(model_dir).model.model.layers[0].self_attn
+    parts = [load_model(model_dir, layout=parallel.record(2), rank=r).model.model.layers[0].self_attn for r in range(2)]
+    assert full.o_proj.bias.abs().sum() > 0
+    torch.testing.assert_close(parts[0].o_proj.bias + parts[1].o_proj.bias, full.o_proj.bias, rtol=0, atol=0)
+    assert not parts[1].o_proj.bias.any()
+    torch.testing.assert_close(torch.cat([p.q_proj.bias for p in parts]), full.q_proj.bias, rtol=0, atol=0)
+
+
+AGREE = """import os, types
+import torch.distributed as dist
+from aotc.runtime.launch import agree
+
+def ranks(out, differ):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ids = [[5, 6, 7], [8, 9 + (rank if differ else 0)]]
+    try:
+        agree(types.SimpleNamespace(sequences=[types.SimpleNamespace(new_ids=i) for i in ids]))
+        said = "agreed"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    open(os.path.join(out, f"rank{rank}"), "w").write(said)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_ranks_that_generated_other_tokens_are_an_error_on_every_rank_naming_them(tmp_path, monkeypatch, differ):
+    """launch.agree, at the end of a parallel aotc run: each rank's tokens against rank 0's."""
+    from aotc.runtime.launch import launch
+
+    (tmp_path / "agreeing.py").write_text(AGREE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    code, why = launch("agreeing:ranks", {"out": str(tmp_path), "differ": differ}, 2)
+    assert (code, why) == (0, None)
+    said = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    if differ:
+        assert all(s == "AotcError: ranks 1 generated other tokens than rank 0; the ranks must run the same graphs on the same inputs" for s in said), said
+    else:
+        assert said == ["agreed", "agreed"]
+
+
 def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degrees(tiny_dir, tmp_path):
     with pytest.raises(AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"):
         build(tp_options(tiny_dir, tmp_path / "b", degree=3))

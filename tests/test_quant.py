@@ -63,7 +63,10 @@ def test_quantizers_clamp_and_round_trip():
         assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == (2, 1)
         assert q.float().abs().max() <= fp8.E4M3FN_MAX and not q.float().isnan().any()
         back = quant.dequantize("fp8", q, s, torch.float32)
-        assert (back - w).abs().max() <= 2**-4 * w.abs().max()  # 3 mantissa bits, relative to the block max
+        # 3 mantissa bits: within 2**-4 of each block's own max (the outlier's block aside,
+        # the rest keep their fine scale)
+        block_max = torch.stack([w[:128].abs().max(), w[128:].abs().max()]).repeat_interleave(torch.tensor([128, 72]))[:, None]
+        assert ((back - w).abs() <= 2**-4 * block_max).all()
     q, s = quant.quantize_fp4(w)
     assert q.shape == (200, 48) and s.shape == (200, 3) and s.dtype == torch.uint8
     back = quant.dequantize("fp4", q, s, torch.float32)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -148,3 +150,82 @@ def test_the_command_says_what_it_quantized_and_exits_2_on_bad_input(tmp_path):
     assert "quantized 15 tensors to fp8" in result.output and "LM head: fp8" in result.output
     result = runner.invoke(app, ["quantize", str(source), "-o", str(source / "q")])
     assert result.exit_code == 2 and "inside the source folder" in result.output
+
+
+# -- the bytes, computed independently ----------------------------------------------
+
+
+def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp8 values and scales as DeepSeek's format defines them, computed here with numpy and
+    ml_dtypes, block by block: scale = amax / 448 in float32; values = w / scale, clamped to
+    +-448, rounded to float8_e4m3fn (to nearest, ties to even)."""
+    rows, cols = w.shape
+    values = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    scales = np.zeros((-(-rows // 128), -(-cols // 128)), np.float32)
+    for i in range(0, rows, 128):
+        for j in range(0, cols, 128):
+            block = w[i : i + 128, j : j + 128].astype(np.float32)
+            scale = np.float32(max(np.abs(block).max(), np.float32(2.0**-100))) / np.float32(448.0)
+            scales[i // 128, j // 128] = scale
+            values[i : i + 128, j : j + 128] = np.clip(block / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return values, scales
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def fp4_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Packed e2m1 bytes (low nibble first) and E8M0 exponent bytes, one per 32 inputs: the
+    scale is the least power of two 2**e with amax / 2**e <= 6 (frexp: exact); each value
+    w / 2**e goes to the nearest e2m1 magnitude (a tie to the smaller), its sign in bit 3."""
+    rows, cols = w.shape
+    nibbles = np.zeros(w.shape, np.uint8)
+    exponents = np.zeros((rows, cols // 32), np.uint8)
+    for r in range(rows):
+        for b in range(cols // 32):
+            block = w[r, 32 * b : 32 * b + 32].astype(np.float32)
+            m, p = np.frexp(np.float32(max(np.abs(block).max(), 2.0**-100)) / np.float32(6.0))
+            e = int(p) if m > 0.5 else int(p) - 1  # ceil(log2(amax / 6))
+            exponents[r, b] = min(max(e + 127, 1), 254)
+            x = np.clip(block / np.float32(2.0 ** (int(exponents[r, b]) - 127)), -6, 6)
+            mag = np.abs(np.abs(x)[:, None] - E2M1).argmin(axis=1).astype(np.uint8)  # argmin: the first, the smaller, on a tie
+            nibbles[r, 32 * b : 32 * b + 32] = mag | (((x < 0) & (mag > 0)).astype(np.uint8) << 3)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), exponents
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp4-experts")])
+def test_the_quantized_bytes_are_the_formats_own_computed_apart_from_aotc(tmp_path, arch, fmt):
+    """Every quantized tensor's values and scales, byte for byte, against the formats
+    computed in this test from the source weights (numpy, ml_dtypes), not by aotc.quant."""
+    source = write_tiny(tmp_path / "src", arch=arch, layers=3 if arch == "deepseek_v4" else 2)
+    made = quantize_model(source, tmp_path / "q", fmt)
+    src, got = tensors(source), tensors(made.out)
+    assert made.tensors and set(made.tensors.values()) == ({"fp8", "fp4"} if fmt == "fp4-experts" else {"fp8"})
+    for name, kind in made.tensors.items():
+        w = src[name].float().numpy()
+        values, scales = fp4_blocks(w) if kind == "fp4" else fp8_blocks(w)
+        assert np.array_equal(raw(got[name]), values.view(np.uint8)), name
+        assert np.array_equal(raw(got[f"{name}_scale_inv"]), scales.view(np.uint8)), name
+
+
+def test_a_failure_after_writing_began_leaves_nothing_beside_the_destination(tmp_path, monkeypatch):
+    """A full disk while the tokenizer is copied, after every shard was written: the error
+    goes to the caller, and neither the destination nor the temporary folder is left."""
+    import errno
+    import shutil
+
+    source = write_tiny(tmp_path / "src", layers=1)
+    (tmp_path / "out").mkdir()
+
+    def full(*args, **kwargs):
+        assert any((tmp_path / "out").glob(".q.tmp-*/model.safetensors"))  # the shard is written by now
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        quantize_model(source, tmp_path / "out" / "q", "fp8")
+    assert list((tmp_path / "out").iterdir()) == []
