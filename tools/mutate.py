@@ -62,6 +62,16 @@ TARGETS = {
         "tests/test_safety.py::test_loading_reads_nothing_outside_the_bundle",
     ],
     "aotc/kvcache.py": ["tests/test_kvcache.py"],
+    "aotc/runtime/check.py": ["tests/test_fidelity.py", "tests/test_runtime.py::test_check_tolerance_grows_with_the_logit"],
+    "aotc/runtime/launch.py": [
+        "tests/test_parallel.py::test_the_launcher_runs_a_python_entry_point_per_rank_and_a_failed_rank_ends_the_rest",
+        "tests/test_parallel.py::test_ranks_that_generated_other_tokens_are_an_error_on_every_rank_naming_them",
+        "tests/test_parallel.py::test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process",
+        "tests/test_parallel.py::test_a_killed_launcher_takes_its_ranks_with_it",
+        "tests/test_parallel.py::test_two_local_ranks_generate_the_unsharded_eager_tokens",
+        "tests/test_parallel.py::test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_them",
+    ],
+    "aotc/quantize.py": ["tests/test_quantize.py"],
     "aotc/passes/split_dtype_regions.py": ["tests/test_kvcache.py"],
 }
 
