@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -303,3 +304,51 @@ def assert_verify_catches_differences(monkeypatch, path, reference: bool = False
         assert failed == expected and expected, (part, [(a.entry, a.bucket, a.problems) for a in got.artifacts])
         assert not any(a.passed for a in got.artifacts if (a.entry, a.bucket, a.context) in expected)
     return report
+
+
+@contextlib.contextmanager
+def checkpoint_reads():
+    """The names of the checkpoint tensors whose values aotc reads while inside: `whole`
+    (safetensors' get_tensor) and `sliced` (a get_slice indexed: only those bytes; the
+    headers' shapes, read through get_slice too, are not counted)."""
+    from unittest import mock
+
+    from aotc.models import checkpoint
+
+    reads = type("Reads", (), {})()
+    reads.whole, reads.sliced = [], []
+    real = checkpoint.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.whole.append(name)
+            return self.inner.get_tensor(name)
+
+        def get_slice(self, name):
+            inner = self.inner.get_slice(name)
+
+            class Slice:
+                def __getitem__(self, index):
+                    reads.sliced.append(name)
+                    return inner[index]
+
+                def __getattr__(self, attr):
+                    return getattr(inner, attr)
+
+            return Slice()
+
+        def __getattr__(self, name):  # the header readers (keys, metadata)
+            return getattr(self.inner, name)
+
+    with mock.patch.object(checkpoint, "safe_open", Recording):
+        yield reads

@@ -23,6 +23,7 @@ from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 
+from .conftest import checkpoint_reads
 from .test_parallel import PROMPTS, eager_tokens, parallel_port, run_json, simulated_neuron_build
 
 EXPERT_WEIGHTS = ("stacked_w1", "stacked_w2", "stacked_w3")
@@ -87,54 +88,17 @@ def test_v4_ranks_hold_half_the_experts_and_generate_the_unsharded_eager_tokens(
     assert [p["new_ids"] for p in report["prompts"]] == eager_tokens(v4_dir, report, 12)
 
 
-def test_each_rank_reads_and_binds_only_its_experts(ep_bundle, v4_dir, monkeypatch):
+def test_each_rank_reads_and_binds_only_its_experts(ep_bundle, v4_dir):
     """Rank r loads experts [4r, 4r+4) of every layer, and only those of the checkpoint's
     expert tensors (counted at safetensors' reads); its stacks are those experts, its map
     takes the router's choices to them; bound, it holds half the routed experts' bytes."""
-    from aotc.models import checkpoint
-
-    read: list[str] = []
-    real = checkpoint.safe_open
-
-    class Recording:
-        def __init__(self, *a, **k):
-            self.f = real(*a, **k)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-        def get_slice(self, name):  # the header's shapes are read through it too: a read is an index
-            inner = self.inner.get_slice(name)
-
-            class Slice:
-                def __getitem__(self, index):
-                    read.append(name)
-                    return inner[index]
-
-                def __getattr__(self, attr):
-                    return getattr(inner, attr)
-
-            return Slice()
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
     full = load_model(v4_dir).model
     layout, bundle = ep_bundle.manifest.parallel, Bundle.load(ep_bundle.out)
     routed = sum(p.nbytes for n, p in full.named_parameters() if ".ffn.experts." in n)
     for rank in (0, 1):
-        read.clear()
-        monkeypatch.setattr(checkpoint, "safe_open", Recording)
-        model = load_model(v4_dir, layout=layout, rank=rank).model
-        monkeypatch.undo()
+        with checkpoint_reads() as reads:
+            model = load_model(v4_dir, layout=layout, rank=rank).model
+        read = reads.whole + reads.sliced
         experts = {n.split(".ffn.experts.")[1].split(".")[0] for n in read if ".ffn.experts." in n}
         assert experts == {str(4 * rank + j) for j in range(4)}, sorted(read)
         for layer, whole in zip(model.model.layers, full.model.layers):

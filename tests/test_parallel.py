@@ -25,7 +25,7 @@ from aotc.format import ShardSpec, read_manifest
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
-from .conftest import LOGIT_ATOL
+from .conftest import LOGIT_ATOL, checkpoint_reads
 
 # Prompts of the generation tests: batch 1, and batch 3 with one over two chunks of 16.
 PROMPTS = ["Hello, world!", "Once upon a time there was a small model that learned to count: one, two, three, four, five, six, seven, eight", "Hi"]
@@ -83,38 +83,11 @@ def test_a_rank_takes_its_part_and_kv_heads_repeat_where_ranks_outnumber_them():
     torch.testing.assert_close(parallel.piece(read, spec=parallel.FIRST, rank=0, world_size=2), full)
 
 
-def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir, monkeypatch):
-    from aotc.models import checkpoint
-
-    whole, sliced = [], []
-    real = checkpoint.safe_open
-
-    class Recording:
-        def __init__(self, *a, **k):
-            self.f = real(*a, **k)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.inner.get_tensor(name)
-
-        def get_slice(self, name):
-            sliced.append(name)
-            return self.inner.get_slice(name)
-
-        def __getattr__(self, name):  # the header readers (keys, get_slice's shapes)
-            return getattr(self.inner, name)
-
-    monkeypatch.setattr(checkpoint, "safe_open", Recording)
+def test_each_rank_reads_only_its_bytes_and_its_model_is_its_part(tiny_dir):
     layout = parallel.record(2)
-    parts = [load_model(tiny_dir, layout=layout, rank=r).model for r in range(2)]
-    monkeypatch.undo()
+    with checkpoint_reads() as reads:
+        parts = [load_model(tiny_dir, layout=layout, rank=r).model for r in range(2)]
+    whole, sliced = reads.whole, reads.sliced
     full = load_model(tiny_dir).model
     assert "model.layers.0.self_attn.q_proj.weight" in sliced and "model.layers.0.self_attn.q_proj.weight" not in whole
     assert "model.embed_tokens.weight" in whole and "model.layers.0.input_layernorm.weight" in whole
