@@ -121,3 +121,32 @@ def test_a_lower_precision_run_passes_with_near_ties_only_never_with_a_wrong_tok
     assert near.matching_tokens == 1 and near.eager_new_ids == [0, 0, 0]
     wrong = case(0.1)
     assert wrong.logits_close and not wrong.passed and wrong.near_tie_gap is None
+
+
+def test_an_fp32_run_is_compared_up_to_its_first_differing_token_and_a_near_tie_there_is_named():
+    """compare(): logits are compared at each step up to and with the first differing token
+    (none after it: the runs no longer see the same tokens); a difference where eager's
+    top two are within the tolerance is a near-tie with eager's gap; a wider one fails."""
+    from aotc.runtime.check import CheckReport, compare
+
+    ref_rows = [[2.0, 0.0, 0.0], [1.0, 1.0 - 5e-4, 0.0], [0.0, 0.0, 9.0]]
+    ours_rows = [[2.0 + 1e-4, 0.0, 0.0], [1.0, 1.0 - 5e-4 + 2e-4, 0.0], [50.0, 0.0, 0.0]]  # step 2 is after the difference
+    near = compare(_run([0, 1, 0], ours_rows), _run([0, 0, 2], ref_rows), 1e-3).per_prompt[0]
+    assert (near.equal, near.matching_tokens, near.tokens) == (False, 1, 3)
+    assert near.max_logit_diff == pytest.approx(2e-4, rel=1e-3) and near.near_tie_gap == pytest.approx(5e-4, rel=1e-3) and near.passed
+    ref_rows[1][1] = 1.0 - 5e-3  # eager's gap at the difference: 5e-3, over 1e-3
+    ours_rows[1][1] = ref_rows[1][1]
+    wide = compare(_run([0, 1, 0], ours_rows), _run([0, 0, 2], ref_rows), 1e-3).per_prompt[0]
+    assert wide.near_tie_gap is None and not wide.passed and wide.logits_close
+    assert CheckReport(1e-3, []).max_logit_diff == 0.0 and CheckReport(1e-3, []).passed
+
+
+def test_the_precision_a_check_reports_names_the_caches_where_they_are_not_the_models_dtype(tmp_path):
+    from aotc.models.base import load_model
+    from aotc.runtime.bundle import Bundle
+    from aotc.runtime.check import precision
+
+    model_dir = write_tiny(tmp_path / "m", layers=1)
+    assert precision(load_model(model_dir).model) == "float32"
+    fp8 = build(BuildOptions(model_dir, out=tmp_path / "b", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", kv_cache_dtype="fp8", use_cache=False))
+    assert precision(load_model(model_dir, **Bundle.load(fp8.out, load_artifacts=False).model_args()).model) == "float32, fp8 caches"

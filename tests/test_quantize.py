@@ -200,10 +200,24 @@ def raw(t: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp4-experts")])
 def test_the_quantized_bytes_are_the_formats_own_computed_apart_from_aotc(tmp_path, arch, fmt):
     """Every quantized tensor's values and scales, byte for byte, against the formats
-    computed in this test from the source weights (numpy, ml_dtypes), not by aotc.quant."""
+    computed in this test from the source weights (numpy, ml_dtypes), not by aotc.quant;
+    the sizes it reports; the linears it leaves unquantized, by transformers' module names;
+    files readable where the umask lets others read (a folder made for it, parents too)."""
+    import os
+    import stat
+
     source = write_tiny(tmp_path / "src", arch=arch, layers=3 if arch == "deepseek_v4" else 2)
-    made = quantize_model(source, tmp_path / "q", fmt)
+    old = os.umask(0o022)
+    try:
+        made = quantize_model(source, tmp_path / "new" / "folder" / "q", fmt)
+    finally:
+        os.umask(old)
     src, got = tensors(source), tensors(made.out)
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in made.out.glob("*.safetensors"))
+    assert made.bytes_in == sum(src[n].numel() * src[n].element_size() for n in made.tensors)
+    assert made.bytes_out == sum(got[n].numel() * got[n].element_size() + got[f"{n}_scale_inv"].numel() * got[f"{n}_scale_inv"].element_size() for n in made.tensors)
+    not_converted = json.loads((made.out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert not_converted == (["lm_head"] if arch == "llama" else ["head"])  # the head, kept at the source precision
     assert made.tensors and set(made.tensors.values()) == ({"fp8", "fp4"} if fmt == "fp4-experts" else {"fp8"})
     for name, kind in made.tensors.items():
         w = src[name].float().numpy()
