@@ -139,6 +139,8 @@ def test_an_fp32_run_is_compared_up_to_its_first_differing_token_and_a_near_tie_
     wide = compare(_run([0, 1, 0], ours_rows), _run([0, 0, 2], ref_rows), 1e-3).per_prompt[0]
     assert wide.near_tie_gap is None and not wide.passed and wide.logits_close
     assert CheckReport(1e-3, []).max_logit_diff == 0.0 and CheckReport(1e-3, []).passed
+    none = compare(_run([], []), _run([], []), 1e-3).per_prompt[0]  # no new token: nothing to compare
+    assert none.max_logit_diff == 0.0 and none.equal and none.passed
 
 
 def test_the_precision_a_check_reports_names_the_caches_where_they_are_not_the_models_dtype(tmp_path):

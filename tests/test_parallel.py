@@ -112,6 +112,39 @@ def test_a_bias_added_before_a_sum_is_added_once_across_the_ranks(tmp_path):
     torch.testing.assert_close(torch.cat([p.q_proj.bias for p in parts]), full.q_proj.bias, rtol=0, atol=0)
 
 
+class _Child:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+@pytest.mark.parametrize(
+    "codes, expected",
+    [
+        ([1, -9], (1, "rank 1 was killed by SIGKILL")),  # rank 0's collective failed because rank 1 was killed: the cause is named
+        ([2, 0], (2, None)),  # rank 0 failed alone, and said why itself: its own status
+        ([None, 3], (1, "rank 1 exited with status 3")),  # rank 0 still running: rank 1 ends the launch
+        ([0, 0], (0, None)),
+    ],
+)  # fmt: skip
+def test_the_launcher_names_a_rank_killed_by_a_signal_before_one_that_exited_after_it(tmp_path, codes, expected):
+    from aotc.runtime.launch import _watch
+
+    assert _watch([_Child(c) for c in codes], str(tmp_path)) == expected
+
+
+def test_ending_the_ranks_asks_each_running_one_to_stop_before_killing_it():
+    from aotc.runtime.launch import _end
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    _end([done, running])
+    assert running.returncode == -signal.SIGTERM and done.returncode == 0
+
+
 AGREE = """import os, types
 import torch.distributed as dist
 from aotc.runtime.launch import agree
@@ -136,7 +169,7 @@ def test_ranks_that_generated_other_tokens_are_an_error_on_every_rank_naming_the
     from aotc.runtime.launch import launch
 
     (tmp_path / "agreeing.py").write_text(AGREE)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))  # and the aotc under test
     code, why = launch("agreeing:ranks", {"out": str(tmp_path), "differ": differ}, 2)
     assert (code, why) == (0, None)
     said = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
@@ -350,7 +383,7 @@ def test_the_launcher_runs_a_python_entry_point_per_rank_and_a_failed_rank_ends_
         "        return 3\n"
         "    time.sleep(120)\n"
     )
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))  # and the aotc under test
     t0 = time.monotonic()
     code, why = launch("ranked:work", {"out": str(tmp_path), "fail": 1}, 2)
     assert code == 1 and why.startswith("rank 1 exited with status 3:") and "rank 1 fails" in why, why

@@ -64,6 +64,8 @@ TARGETS = {
     "aotc/kvcache.py": ["tests/test_kvcache.py"],
     "aotc/runtime/check.py": ["tests/test_fidelity.py", "tests/test_runtime.py::test_check_tolerance_grows_with_the_logit"],
     "aotc/runtime/launch.py": [
+        "tests/test_parallel.py::test_the_launcher_names_a_rank_killed_by_a_signal_before_one_that_exited_after_it",
+        "tests/test_parallel.py::test_ending_the_ranks_asks_each_running_one_to_stop_before_killing_it",
         "tests/test_parallel.py::test_the_launcher_runs_a_python_entry_point_per_rank_and_a_failed_rank_ends_the_rest",
         "tests/test_parallel.py::test_ranks_that_generated_other_tokens_are_an_error_on_every_rank_naming_them",
         "tests/test_parallel.py::test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process",
