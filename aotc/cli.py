@@ -120,6 +120,7 @@ def quantize(
     from .plugins import load_plugins
     from .quantize import quantize_model
 
+    _stop_on_sigterm()  # SIGTERM mid-write: the temporary folder is removed as for Ctrl-C
     try:
         load_plugins(plugin)
         source, _ = resolve_model(model, revision)

@@ -23,6 +23,7 @@ destination under a temporary name and renamed when whole.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -39,6 +40,7 @@ from .errors import ConfigError, WeightsError
 from .format import temp_folder, umask
 from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
+from .models.config import read_config
 
 FORMATS = ("fp8", "fp4-experts")
 HEADS = ("keep", "fp8")
@@ -67,7 +69,7 @@ def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "k
         raise ConfigError(f"--head {head}: expected one of {', '.join(HEADS)}")
     source, out = Path(source), Path(out)
     _check_paths(source, out)
-    config = json.loads(model_file(source, "config.json").read_text())
+    config = read_config(source)  # a bad config.json is refused naming it, as build refuses it
     if config.get("quantization_config") is not None:
         raise ConfigError(
             f"{source / 'config.json'}: quantization_config is set; the checkpoint is already quantized. "
@@ -195,6 +197,12 @@ def _write_shards(checkpoint: Checkpoint, plan: _Plan, tmp: Path, result: Quanti
                         tensors[made_name] = tensor
                         result.kept[made_name] = str(tensor.dtype).removeprefix("torch.")
                         continue
+                    if not torch.isfinite(tensor).all():  # one NaN or inf would make its whole block's scale NaN or inf
+                        at = (~torch.isfinite(tensor)).nonzero()[0].tolist()
+                        raise WeightsError(
+                            f"{file}: tensor {name!r} holds {tensor[tuple(at)].item()} at {at}; a block scale made from it would "
+                            "lose every value of its block. Fix or re-export the checkpoint"
+                        )
                     values, scale = quant.quantize(fmt, tensor, e8m0=fmt == "fp4")
                     if scale.dtype == torch.uint8:
                         scale = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0, as published
@@ -202,7 +210,10 @@ def _write_shards(checkpoint: Checkpoint, plan: _Plan, tmp: Path, result: Quanti
                     result.tensors[made_name] = fmt
                     result.bytes_in += tensor.numel() * tensor.element_size()
                     result.bytes_out += values.numel() * values.element_size() + scale.numel() * scale.element_size()
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file.name), metadata={"format": "pt"})
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / file.name), metadata={"format": "pt"})
+        except SafetensorError as e:  # safetensors' own error on a failed write (a full disk): as the OSError it is
+            raise OSError(errno.ENOSPC if "StorageFull" in str(e) or "No space left" in str(e) else None, str(e), str(tmp / file.name)) from e
         os.chmod(tmp / file.name, 0o666 & ~umask())  # safetensors writes 0600; a model folder is read by others where the umask lets them
         weight_map.update(dict.fromkeys(tensors, file.name))
     return weight_map

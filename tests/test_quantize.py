@@ -243,3 +243,50 @@ def test_a_failure_after_writing_began_leaves_nothing_beside_the_destination(tmp
     with pytest.raises(OSError, match="No space left on device"):
         quantize_model(source, tmp_path / "out" / "q", "fp8")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_bad_config_a_nan_weight_a_full_disk_and_sigterm_leave_nothing_and_say_what(tmp_path, monkeypatch):
+    """config.json that is not a JSON object is refused as build refuses it; a NaN or inf in
+    a weight to quantize is refused naming the tensor and where (it would make its whole
+    block's scale NaN); safetensors' own error on a full disk and a SIGTERM mid-write end
+    the command with a message, and leave nothing beside the destination."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    source = write_tiny(tmp_path / "src", layers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    for text, message in (("[1, 2]", "expected a JSON object, got list"), ("{bad", "not valid JSON")):
+        bad = write_tiny(tmp_path / f"bad{len(text)}", layers=1)
+        (bad / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=rf"{bad / 'config.json'}: {message}"):
+            quantize_model(bad, out / "q", "fp8")
+    nan = write_tiny(tmp_path / "nan", layers=1)
+    weights = load_file(nan / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][3, 7] = float("nan")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' holds nan at \[3, 7\]"):
+        quantize_model(nan, out / "q", "fp8")
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    monkeypatch.setattr("aotc.quantize.save_file", full)
+    r = runner.invoke(app, ["quantize", str(source), "-o", str(out / "q")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "No space left on device" in said and "the disk is full" in said, said
+    monkeypatch.undo()
+    stop = (
+        "import os, shutil, signal, sys\n"
+        "shutil.copyfile = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)\n"  # after the shard is written
+        "from aotc.cli import app\n"
+        "app(sys.argv[1:])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", stop, "quantize", str(source), "-o", str(out / "q")], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and done.returncode != -signal.SIGTERM, done.stderr[-2000:]
+    assert list(out.iterdir()) == []
