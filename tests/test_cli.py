@@ -104,6 +104,8 @@ def test_inspect(built):
     "args, message",
     [
         (["build", "{model}", "--buckets", "1,x"], "--buckets '1,x': expected comma-separated positive integers"),
+        (["build", "{model}", "--context-buckets", "32,"], "--context-buckets '32,': an empty bucket between commas"),
+        (["build", "{model}", "--prefill-chunk", "16,,64"], "--prefill-chunk '16,,64': an empty bucket between commas"),
         (["build", "{model}", "--backend", "tpu"], "unknown backend 'tpu'; known: export"),
         (["build", "{missing}"], "not a folder"),
         (["run", "{missing}"], "no manifest.json"),

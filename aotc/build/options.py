@@ -27,8 +27,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")
 
 def parse_buckets(text: str, option: str) -> tuple[int, ...]:
     """'1,2,4,8' -> (1, 2, 4, 8); errors name the option."""
+    parts = str(text).replace(" ", "").split(",")
+    if "" in parts and parts != [""]:  # "32," or "1,,2": a bucket left out, or a comma too many
+        raise AotcError(f"{option} {text!r}: an empty bucket between commas; expected comma-separated positive integers, e.g. 1,2,4,8")
     try:
-        values = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+        values = [int(v) for v in parts if v]
     except ValueError:
         raise AotcError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8") from None
     if not values or any(v <= 0 for v in values):
