@@ -236,14 +236,14 @@ def parse_config(
 def _check_degree(arch: Architecture, config, layout: ParallelRecord) -> None:
     """--tensor-parallel N or --expert-parallel N: the model has that plan, and every
     tensor it splits splits N ways."""
-    degree, option = layout.world_size, parallel.flag(layout)
     if layout.tensor_parallel > 1:
-        specs_at, has = functools.partial(arch.model_class.shard_specs, config), "the llama family has: llama, qwen2, mistral"
+        name, plan, has = "tensor-parallel", arch.model_class.shard_specs, "the llama family has: llama, qwen2, mistral"
     else:
-        specs_at, has = functools.partial(arch.model_class.expert_specs, config), "DeepSeek V4 has"
+        name, plan, has = "expert-parallel", arch.model_class.expert_specs, "DeepSeek V4 has"
+    degree, specs_at = layout.world_size, functools.partial(plan, config)
+    option = f"--{name} {degree}"
     if specs_at(degree) is None:
-        kind = option.split()[0].removeprefix("--")
-        raise ConfigError(f"{option}: {arch.name} models have no {kind} plan in aotc ({has}); build it with {option.split()[0]} 1")
+        raise ConfigError(f"{option}: {arch.name} models have no {name} plan in aotc ({has}); build it with --{name} 1")
     why = parallel.misfit(specs_at(degree), degree)
     if why:
         valid = parallel.valid_degrees(specs_at, max(degree, 64))
