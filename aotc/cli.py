@@ -180,6 +180,10 @@ EXPERT_PARALLEL = typer.Option(
     1, "--expert-parallel", min=1,
     help="Ranks to split the routed experts across (DeepSeek V4; every backend): attention, caches, the shared expert and the routers on every rank, each rank holding and reading only its experts; one fp32 all-reduce per MoE layer. Started as --tensor-parallel's ranks are.",
 )  # fmt: skip
+DATA_PARALLEL_ATTENTION = typer.Option(
+    False, "--data-parallel-attention",
+    help="With --expert-parallel N (DeepSeek V4): each rank runs its own sequences in its own cache slots (--buckets are per rank: N times the sequences at once, each rank holding only its slots); each MoE layer gathers every rank's rows, routes them, runs the rank's experts and reduce-scatters the fp32 sums back. The ranks step in lockstep.",
+)  # fmt: skip
 CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (default: $AOTC_CACHE_DIR or ~/.cache/aotc).")
 
 
@@ -198,6 +202,7 @@ def build(
     modeling: str = MODELING,
     tensor_parallel: int = TENSOR_PARALLEL,
     expert_parallel: int = EXPERT_PARALLEL,
+    data_parallel_attention: bool = DATA_PARALLEL_ATTENTION,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
@@ -228,7 +233,8 @@ def build(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
             out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
             remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
-            modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, force=force,
+            modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+            data_parallel_attention=data_parallel_attention, force=force,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         # Off a terminal rich's live bars render only at exit: a CI log (stdout to a file or a
@@ -335,6 +341,7 @@ def cache_key_command(
     modeling: str = MODELING,
     tensor_parallel: int = TENSOR_PARALLEL,
     expert_parallel: int = EXPERT_PARALLEL,
+    data_parallel_attention: bool = DATA_PARALLEL_ATTENTION,
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of MODEL_DIR given as ORG/NAME."),
 ):
     """Print one key for a whole build, without compiling (a CI cache key): the same
@@ -346,7 +353,8 @@ def cache_key_command(
         model_path, hub = resolve_model(model_dir, revision)
         options = _build_options(
             model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
-            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, hub=hub, force=True,  # writes nothing
+            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+            data_parallel_attention=data_parallel_attention, hub=hub, force=True,  # writes nothing
         )
         print(build_key(options))
     except AotcError as e:
@@ -718,7 +726,7 @@ def serve(
     name = served_model_name or Path(path).resolve().name
     try:
         status = run_server(session, name=name, host=host, port=port, api_keys=api_key, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
-                            ready=lambda address: console.print(f"serving {name} on http://{address} (slots {session.bundle.max_batch}, max_seq {session.bundle.max_seq})", highlight=False))  # fmt: skip
+                            ready=lambda address: console.print(f"serving {name} on http://{address} (slots {session.bundle.capacity}, max_seq {session.bundle.max_seq})", highlight=False))  # fmt: skip
     finally:
         session.close()
     raise typer.Exit(status)
@@ -921,6 +929,7 @@ def _report(prompts, done, backend, source) -> dict:
             "decode_s": round(t.decode_s, 4),
             "decode_steps": t.decode_steps,
             "decode_tokens_per_s": round(t.decode_tokens_per_s, 1),
+            **({"exchange_s": round(t.exchange_s, 4), "idle_calls": t.idle_calls} if t.exchange_s else {}),
         },
     }
     if checked is not None:

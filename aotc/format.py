@@ -62,7 +62,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 14
+FORMAT_VERSION = 15
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -289,7 +289,16 @@ class ParallelRecord:
 
     world_size: int
     tensor_parallel: int
-    expert_parallel: int  # routed experts split across the ranks; attention and the rest whole on every rank
+    expert_parallel: int  # routed experts split across the ranks
+    # replicated: every rank runs every row, with its own copy of every cache slot (tensor
+    # parallel, or expert parallel alone); data-parallel: each rank runs its own sequences
+    # in its own cache slots, and the MoE layers gather the rows of every rank
+    # (--data-parallel-attention, with --expert-parallel)
+    attention: Literal["replicated", "data-parallel"]
+    # How the graphs gather rows from every rank and hand back each rank's sums: with
+    # all-gathers and reduce-scatters, or as all-reduces of rows placed at their rank's
+    # block (the backend's choice: Backend.gathers_with)
+    gather: Literal["collectives", "all-reduce"]
     groups: list[GroupRecord]  # created in this order by every rank
     collectives: Literal["none", "in-graph"]  # in-graph: functional collectives inside the graphs
 
@@ -644,6 +653,10 @@ def _check_parallel(m: Manifest, bad) -> None:
             f"world_size {world}, tensor_parallel {p.tensor_parallel} and expert_parallel {p.expert_parallel}: a bundle's ranks are "
             "its tensor-parallel or its expert-parallel degree, the other 1",
         )
+    if p.attention == "data-parallel" and p.expert_parallel < 2:
+        bad("parallel.attention", f"data-parallel attention in a bundle of expert_parallel {p.expert_parallel}: it comes with expert parallelism only")
+    if p.gather == "all-reduce" and p.attention != "data-parallel":
+        bad("parallel.gather", "all-reduce gathers in a bundle without data-parallel attention, the only graphs that gather rows")
     want = [list(range(world))] if world > 1 else []
     if [g.ranks for g in p.groups] != want or p.collectives != ("in-graph" if world > 1 else "none"):
         bad("parallel.groups", f"{[g.ranks for g in p.groups]} with collectives {p.collectives!r}, for world_size {world}")

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import os
 import re
+import time
 from typing import Iterator
 
 import torch
@@ -29,25 +30,38 @@ import torch
 from .errors import AotcError
 from .format import GroupRecord, ParallelRecord, ShardSpec
 
-SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, expert_parallel=1, groups=[], collectives="none")
+SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, expert_parallel=1, attention="replicated", gather="collectives", groups=[], collectives="none")
 # A collective that waits longer than this on a rank that died or hangs fails on the
 # others (the launcher ends them first, within seconds, when it sees a rank die).
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def record(degree: int, experts: int = 1) -> ParallelRecord:
+def record(degree: int, experts: int = 1, data_parallel_attention: bool = False, gather: str = "collectives") -> ParallelRecord:
     """The layout of a build at tensor-parallel degree `degree`, or expert-parallel degree
-    `experts` (one of them 1): one group of every rank, named as torch names the default
-    group (the graphs' collectives carry the name)."""
+    `experts` (one of them 1; with data_parallel_attention, each rank its own sequences):
+    one group of every rank, named as torch names the default group (the graphs'
+    collectives carry the name). gather: the backend's way to gather and scatter rows."""
     world = degree * experts
     if world == 1:
         return SINGLE
-    return ParallelRecord(world_size=world, tensor_parallel=degree, expert_parallel=experts, groups=[GroupRecord("0", list(range(world)))], collectives="in-graph")
+    attention = "data-parallel" if data_parallel_attention else "replicated"
+    return ParallelRecord(
+        world_size=world, tensor_parallel=degree, expert_parallel=experts, attention=attention, gather=gather,
+        groups=[GroupRecord("0", list(range(world)))], collectives="in-graph",
+    )  # fmt: skip
 
 
 def flag(layout: ParallelRecord) -> str:
-    """The build option that made a layout, as a user gave it."""
-    return f"--expert-parallel {layout.expert_parallel}" if layout.expert_parallel > 1 else f"--tensor-parallel {layout.tensor_parallel}"
+    """The build options that made a layout, as a user gave them."""
+    if layout.expert_parallel > 1:
+        return f"--expert-parallel {layout.expert_parallel}" + (" --data-parallel-attention" if data_parallel(layout) else "")
+    return f"--tensor-parallel {layout.tensor_parallel}"
+
+
+def data_parallel(layout: ParallelRecord) -> bool:
+    """Whether each rank runs its own sequences in its own cache slots (the engine steps the
+    ranks in lockstep; runtime.engine), rather than every rank every row."""
+    return layout.attention == "data-parallel"
 
 
 def group_name(layout: ParallelRecord) -> str | None:
@@ -62,6 +76,38 @@ def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_reduce(x, "sum", group)  # waited for where it is first read (wait_tensor in a graph)
+
+
+def reduce_scatter(x: torch.Tensor, group: str | None, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank r's block of dim 0 (its 1/N of the rows) of the sum of every rank's x: the
+    parts that the ranks computed for every rank's rows, summed and sent to the rows' owner.
+    rank: this rank's index, [1] int64 (a value of the graph's weights, never a constant),
+    where the layout gathers by all-reduce (ParallelRecord.gather): the whole sum, and
+    this rank's block of it."""
+    if group is None:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+
+    if rank is None:
+        return funcol.reduce_scatter_single(x, "sum", 0, group)
+    ways = torch.distributed.get_world_size()  # the group is every rank's (record())
+    whole = funcol.all_reduce(x, "sum", group)
+    return whole.view(ways, -1, *x.shape[1:]).index_select(0, rank)[0]
+
+
+def all_gather_rows(x: torch.Tensor, group: str | None, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's rows (dim 0), concatenated in rank order. rank: as reduce_scatter's,
+    where the layout gathers by all-reduce: each rank's rows placed at its block of zeros,
+    summed (adding zeros changes no value)."""
+    if group is None:
+        return x
+    if rank is None:
+        return all_gather(x, 0, group)
+    from torch.distributed import _functional_collectives as funcol
+
+    ways = torch.distributed.get_world_size()
+    placed = x.new_zeros((ways, *x.shape)).index_copy(0, rank, x[None])
+    return funcol.all_reduce(placed, "sum", group).flatten(0, 1)
 
 
 def all_gather(x: torch.Tensor, dim: int, group: str | None) -> torch.Tensor:
@@ -235,6 +281,30 @@ def join(layout: ParallelRecord, rank: int, device: str) -> None:
         backend = "nccl"
     dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=TIMEOUT)
     check_groups(layout)
+
+
+SETTLE_LIMIT = 10.0  # seconds
+
+
+def settled(*tensors: torch.Tensor) -> None:
+    """Return once no gloo worker thread holds any of these tensors (each held by Python
+    alone), the GIL released meanwhile; call it on what a collective took or gave back.
+
+    A gloo worker lets go of a finished collective's tensors just after it wakes the
+    thread that waits for it; letting go of a tensor that Python holds takes the GIL
+    (TensorImpl.decref_pyobject). An AOTInductor graph runs holding the GIL, and waits
+    inside it for its own collectives: entered in that moment, it waits for a worker that
+    waits for the GIL, and every rank hangs until the group's timeout. Seen on gloo with
+    torch 2.13: a Python-side all-gather followed by a graph with collectives, or a graph
+    that returns a collective's buffer, then the next graph."""
+    deadline = None
+    for t in tensors:
+        while t._use_count() > 1:
+            if deadline is None:
+                deadline = time.monotonic() + SETTLE_LIMIT
+            elif time.monotonic() > deadline:
+                raise AotcError(f"a collective's tensor {tuple(t.shape)} is still held by another thread after {SETTLE_LIMIT:.0f} s")
+            time.sleep(0)  # lets the worker take the GIL
 
 
 def rank0_address(key: str) -> str:

@@ -376,3 +376,7 @@ def test_parallel_ranks_decode_the_eager_tokens_and_hold_half_the_split_weights(
     assert (one["tensor parallel"], [w["rank"] for w in two]) == (1, [0, 1])
     for w in two:  # each rank: half of what the plan splits, all of the rest
         assert w["split MB"] == pytest.approx(one["split MB"] / 2) and w["whole MB"] == pytest.approx(one["whole MB"])
+    part1, part2 = result["v4_data_parallel"]
+    assert part1["tokens equal eager"] and part2["tokens equal eager"] and part2["sequences at once"] == part1["sequences at once"] == 4
+    assert (part1["cache slots per rank"], part2["cache slots per rank"]) == (5, 3) and part2["caches / part 1's"] == pytest.approx(3 / 5)
+    assert part2["weights MB per rank"] == pytest.approx(part1["weights MB per rank"]) and part2["idle calls (rank 0)"] >= 0

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 
 from .conftest import checkpoint_reads
-from .test_parallel import PROMPTS, eager_tokens, parallel_port, run_json, simulated_neuron_build
+from .test_parallel import PROMPTS, eager_tokens, run_json, simulated_neuron_build, torchrun
 
 EXPERT_WEIGHTS = ("stacked_w1", "stacked_w2", "stacked_w3")
 
@@ -118,19 +116,24 @@ def test_each_rank_reads_and_binds_only_its_experts(ep_bundle, v4_dir):
         assert sum(stacks.values()) == routed // 2, (sum(stacks.values()), routed)
 
 
+def traced_at_ranks(options: BuildOptions, entries=("SlidingBlock.decode", "CSABlock.prefill")):
+    """The cache keys of some entries' graphs traced at rank 0 and at rank 1, and rank 1's graphs."""
+    keys = []
+    for rank in (0, 1):
+        with parallel.tracing(options.layout, rank=rank):
+            plan = make_plan(options)
+            graphs = key_graphs(plan, [t for t in plan.tasks if t[0].entry_id.startswith(entries)])
+            keys.append([(g.id, g.key) for g in graphs])
+    return keys, graphs
+
+
 def test_a_bf16_v4_sums_its_parts_in_fp32_and_rank_1_traces_the_same_graphs(tmp_path):
     """Each MoE graph's one all-reduce takes fp32 parts (the parts of a bf16 model summed
     in fp32, then cast); no all-to-all; a trace at rank 1 gives rank 0's cache keys (its
     own experts and map are weights, never constants in the graph)."""
     model_dir = write_tiny(tmp_path / "v4", arch="deepseek_v4", layers=3, dtype="bfloat16", n_routed_experts=8)  # gathered and dense
     options = ep_options(model_dir, tmp_path / "b", use_cache=False)
-    keys = []
-    for rank in (0, 1):
-        with parallel.tracing(options.layout, rank=rank):
-            plan = make_plan(options)
-            tasks = [t for t in plan.tasks if t[0].entry_id.startswith(("SlidingBlock.decode", "CSABlock.prefill"))]
-            graphs = key_graphs(plan, tasks)
-            keys.append([(g.id, g.key) for g in graphs])
+    keys, graphs = traced_at_ranks(options)
     for g in graphs:
         nodes = list(g.graph.program.graph_module.graph.nodes)
         reduced = [n for n in nodes if "all_reduce" in str(n.target)]
@@ -209,12 +212,7 @@ def test_a_v4_that_transformers_makes_runs_on_two_ranks_with_its_greedy_tokens(t
     passage = torch.randint(3, 400, (41,), generator=g).tolist()
     short, long, third = torch.randint(3, 400, (20,), generator=g).tolist(), passage * 3 + [7, 9], torch.randint(3, 400, (77,), generator=g).tolist()
     prompts = [short, third + third[:50], long]
-    program = tmp_path / "program.py"
-    program.write_text(TRANSFORMERS_PROGRAM)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(out), json.dumps(prompts)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = torchrun(tmp_path, TRANSFORMERS_PROGRAM, out, json.dumps(prompts), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads([line for line in done.stdout.splitlines() if line.startswith("[")][0])
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -53,6 +53,14 @@ def run_json(bundle: Path, prompts: list[str], new_tokens: int = 12, max_batch: 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def torchrun(tmp_path: Path, program: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`program` (a Python source) run as 2 ranks under torchrun with `args`."""
+    path = tmp_path / "program.py"
+    path.write_text(program)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(path), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
 def eager_tokens(model_dir: Path, report: dict, new_tokens: int) -> list[list[int]]:
     """The unsharded eager model's greedy tokens for the report's prompts, each up to its stop token, as aotc run stops."""
     model = load_model(model_dir).model
@@ -430,13 +438,8 @@ def test_a_session_program_under_torchrun_generates_the_eager_tokens(tp_bundle, 
     prints the unsharded eager model's tokens."""
     from tokenizers import Tokenizer
 
-    program = tmp_path / "program.py"
-    program.write_text(SESSION_PROGRAM)
     assert len(SESSION_PROGRAM.strip().splitlines()) <= 10
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(tp_bundle.out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = torchrun(tmp_path, SESSION_PROGRAM, tp_bundle.out)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [line for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(printed) == 1  # rank 0 prints
@@ -491,12 +494,7 @@ def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_wi
     seeded and an unseeded sampled request; the other rank follows its plans, and takes
     rank 0's tokens (its own logits are made wrong). Each greedy request gives the
     unsharded eager tokens; the seeded one eager's sampled tokens."""
-    program = tmp_path / "program.py"
-    program.write_text(SERVICE_PROGRAM)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(parallel_port()), str(program), str(tp_bundle.out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = torchrun(tmp_path, SERVICE_PROGRAM, tp_bundle.out)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused: this is rank 1 of 2: submit requests on rank 0" in done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -255,6 +255,10 @@ class Backend(abc.ABC):
     # Its graphs may hold torch.distributed's functional collectives, run on the process
     # group the ranks join (aotc.parallel): a tensor-parallel bundle can be built with it.
     collectives_in_graph: ClassVar[bool] = False
+    # How its graphs gather rows from every rank and scatter sums back (data-parallel
+    # attention): "collectives" (all-gather, reduce-scatter) or "all-reduce" (rows placed
+    # at their rank's block, summed) where its runtime cannot run the former safely.
+    gathers_with: ClassVar[str] = "collectives"
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "Backend":

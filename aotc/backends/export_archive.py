@@ -10,7 +10,7 @@ refuses anything aotc's export backend does not write:
    no constants and no sample inputs (nothing that would be unpickled), and
    aotc's record of which tensor each weight input is (a JSON list);
 2. every call target an aten or prims overload, a functional collective
-   (all_reduce, all_gather_into_tensor, wait_tensor), `operator.getitem`, or one of
+   (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, wait_tensor), `operator.getitem`, or one of
    the integer comparisons and arithmetic that unbacked sizes use;
 3. every argument of a plain kind (tensors, numbers, dtypes, devices...):
    no graphs, operators or custom objects;
@@ -37,7 +37,7 @@ MEMBERS = {
 }  # fmt: skip
 EMPTY_CONFIG = {"config": {}}
 TARGET = re.compile(
-    r"torch\.ops\.(aten|prims)\.\w+\.\w+|torch\.ops\._c10d_functional\.(all_reduce|all_gather_into_tensor|wait_tensor)\.default|_operator\.(getitem|ge|gt|le|lt|eq|ne|add|sub|mul|floordiv|mod|neg|truediv)")
+    r"torch\.ops\.(aten|prims)\.\w+\.\w+|torch\.ops\._c10d_functional\.(all_reduce|all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default|_operator\.(getitem|ge|gt|le|lt|eq|ne|add|sub|mul|floordiv|mod|neg|truediv)")
 ARG_KINDS = {
     "as_none", "as_tensor", "as_tensors", "as_int", "as_ints", "as_float", "as_floats", "as_string", "as_strings",
     "as_bool", "as_bools", "as_sym_int", "as_sym_ints", "as_sym_bool", "as_sym_bools", "as_sym_float", "as_sym_floats",

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
+from ..parallel import settled
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
 
 if TYPE_CHECKING:
@@ -69,6 +70,16 @@ class PackageProgram(Program):
             flat = tensors.copy()  # boxed_run takes the list over
             flat += args
             return run(flat)
+
+        def ranked(args: list, call: int = 0) -> list:
+            # An output may be a collective's own buffer: the graph holds the GIL, so the
+            # next one must not start before gloo lets go of it (parallel.settled).
+            outs = step(args)
+            settled(*outs)
+            return outs
+
+        if world_size > 1:
+            return Step(HOST, ranked, tensors)
 
         return Step(HOST, step, tensors)
 
@@ -149,6 +160,11 @@ def cpu_target(config: dict) -> str:
 class InductorBackend(Backend):
     name = "inductor"
     collectives_in_graph = True  # compiled into the package: its C shims and proxy executor run them
+    # torch 2.13's AOTInductor runs all_gather and reduce_scatter through its proxy executor,
+    # which leaves them holding tensors that Python owns; gloo's worker thread then needs the
+    # GIL to let go of them, while the graph holds the GIL waiting for its next collective:
+    # every rank hangs (docs/parallel.md, data-parallel attention). all_reduce has a C shim.
+    gathers_with = "all-reduce"
     files = (PACKAGE,)
     extra_type = InductorExtra
     compile_memory_gb = 2

@@ -101,6 +101,9 @@ class BuildOptions:
     tensor_parallel: int = 1
     # Ranks the routed experts are split across, attention whole on every rank (DeepSeek V4).
     expert_parallel: int = 1
+    # Each rank its own sequences and cache slots, the MoE layers gathering every rank's rows
+    # (with expert_parallel; DeepSeek V4).
+    data_parallel_attention: bool = False
     # Replace what the default -o holds even when it is a bundle of another model or backend.
     force: bool = False
     backend_note: str | None = field(default=None, init=False)  # why the default backend is not inductor
@@ -124,6 +127,11 @@ class BuildOptions:
             raise AotcError(
                 f"--tensor-parallel {self.tensor_parallel} --expert-parallel {self.expert_parallel}: aotc builds one of them at a time; "
                 "give --expert-parallel N alone (experts split, attention on every rank), or --tensor-parallel N alone"
+            )
+        if self.data_parallel_attention and self.expert_parallel < 2:
+            raise AotcError(
+                f"--data-parallel-attention with --expert-parallel {self.expert_parallel}: data-parallel attention splits the "
+                "sequences across the ranks that split the experts; give --expert-parallel N (N >= 2) with it"
             )
         if self.jobs is not None and self.jobs <= 0:
             raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
@@ -158,7 +166,8 @@ class BuildOptions:
     @property
     def layout(self):
         """How the graphs split across ranks (format.ParallelRecord)."""
-        return record(self.tensor_parallel, self.expert_parallel)
+        gather = get_backend_class(self.backend).gathers_with if self.data_parallel_attention else "collectives"
+        return record(self.tensor_parallel, self.expert_parallel, self.data_parallel_attention, gather)
 
     @classmethod
     def of_manifest(cls, manifest, model_dir: Path) -> "BuildOptions":
@@ -171,7 +180,8 @@ class BuildOptions:
             chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
             kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
-            tensor_parallel=manifest.parallel.tensor_parallel, expert_parallel=manifest.parallel.expert_parallel, force=True,  # nothing is written: no -o to check
+            tensor_parallel=manifest.parallel.tensor_parallel, expert_parallel=manifest.parallel.expert_parallel,
+            data_parallel_attention=manifest.parallel.attention == "data-parallel", force=True,  # nothing is written: no -o to check
         )  # fmt: skip
 
     def resolve_contexts(self) -> None:

@@ -78,6 +78,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "modeling": options.modeling,
         "tensor_parallel": options.tensor_parallel,
         "expert_parallel": options.expert_parallel,
+        "attention": options.layout.attention,
         "code": model_class.code_identity(config) if hasattr(model_class, "code_identity") else {},
         "backend": [backend.name, backend.version(), backend.flags(), [p.name for p in backend.passes()]],
         "torch": torch.__version__,

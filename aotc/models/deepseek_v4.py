@@ -512,7 +512,12 @@ class MoE(nn.Module):
     (--expert-parallel) this rank holds experts [rank*E/N, (rank+1)*E/N) as its experts
     0..E/N-1, and `expert_map` (a weight: each rank's own values, one graph for all)
     takes the router's choices to them: E/N where another rank holds the expert. Each
-    rank computes its experts' part of every row, and one fp32 all-reduce sums the parts."""
+    rank computes its experts' part of every row, and one fp32 all-reduce sums the parts.
+
+    With data-parallel attention (--data-parallel-attention) each rank's rows are its own
+    sequences' tokens: one all-gather brings every rank's rows (with their token ids packed
+    in, for hash routing), every rank routes them all alike, runs its experts on them, and
+    one fp32 reduce-scatter sums the parts and hands each rank its own rows' sums."""
 
     def __init__(self, c: DeepseekV4Config, hashed: bool):
         super().__init__()
@@ -522,6 +527,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype) for _ in range(n))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, c.dtype)
         self.group, self.first = (parallel.group_name(c.parallel), c.rank * n) if ways > 1 else (None, 0)
+        self.data_parallel = ways > 1 and parallel.data_parallel(c.parallel)
+        self.by_all_reduce = self.data_parallel and c.parallel.gather == "all-reduce"
         if self.group is not None:
             # int64, as the hash tables: an xla module narrows int64 to int32 without JAX's x64 mode,
             # and its signature check reads every int32 input as that narrowed int64.
@@ -547,31 +554,73 @@ class MoE(nn.Module):
 
     def forward(self, x, ids):
         """Each expert once, on the tokens routed to it (a loop over the experts)."""
+        if self.data_parallel:
+            every, every_ids = self.gather(x, ids)
+            chosen, weights = self.gate(every, every_ids)
+            partial = self.each_expert(every, *self.local(chosen, weights), dtype=torch.float32)
+            return self.scatter(partial).to(x.dtype) + self.shared_experts(x)
         chosen, weights = self.gate(x, ids)  # [N, k]
         if self.group is None:
             return self.each_expert(x, chosen, weights) + self.shared_experts(x)
         partial = self.each_expert(x, *self.local(chosen, weights), dtype=torch.float32)
         return parallel.all_reduce(partial, self.group).to(x.dtype) + self.shared_experts(x)
 
+    def rank(self):
+        """This rank's index, [1], from its expert map (a weight: one graph for every rank):
+        the block of the map that holds its own experts."""
+        n = len(self.experts)
+        return ((self.expert_map < n).long().argmax() // n).view(1)
+
+    def gather(self, x, ids):
+        """Every rank's rows [ranks*N, H], in rank order, and their token ids where the router
+        hashes them: one all-gather, the ids packed into the rows as int32 bits (a copy moves
+        bits unchanged; a vocabulary fits in 31 bits). Gathered by all-reduce (the layout's
+        gather), the ids go as float32 values, exact below 2**24, since a sum moves values,
+        not bits."""
+        h = x.shape[1]
+        if self.by_all_reduce:
+            rows = x if not self.gate.hashed else torch.cat([x.float(), ids.float()[:, None]], dim=1)
+            every = parallel.all_gather_rows(rows, self.group, self.rank())
+            return (every, None) if not self.gate.hashed else (every[:, :h].to(x.dtype), every[:, h].long())
+        if not self.gate.hashed:
+            return parallel.all_gather(x, 0, self.group), None
+        packed = ids.to(torch.int32)[:, None].view(x.dtype)  # [N, 4 / itemsize]
+        every = parallel.all_gather(torch.cat([x, packed], dim=1), 0, self.group)
+        return every[:, :h], every[:, h:].contiguous().view(torch.int32)[:, 0].long()
+
+    def scatter(self, partial):
+        """Each rank's own rows of the sum of every rank's fp32 parts."""
+        return parallel.reduce_scatter(partial, self.group, self.rank() if self.by_all_reduce else None)
+
     def compiled_forward(self, x, ids, derived):
         """Each token's chosen experts gathered from the stacked weights, where a step makes fewer choices than there are experts; else the loop over the experts.
 
         Across ranks: the rank's experts densely on every row where the choices reach their
-        number, else gathered; then one fp32 all-reduce of the parts."""
-        chosen, weights = self.gate(x, ids)  # [N, k]
+        number, else gathered; then one fp32 all-reduce of the parts (with data-parallel
+        attention: on every rank's rows, gathered, and one fp32 reduce-scatter)."""
         n = len(self.experts)
+        if self.data_parallel:
+            every, every_ids = self.gather(x, ids)
+            return self.scatter(self.routed(every, every_ids, derived)).to(x.dtype) + self.shared_experts(x)
+        chosen, weights = self.gate(x, ids)  # [N, k]
         if self.group is None:
             if chosen.numel() < n:
                 out = self.gathered(x, chosen, weights, derived)
             else:  # as many choices as experts: reading every expert once is the least
                 out = self.each_expert(x, chosen, weights)
             return out + self.shared_experts(x)
+        return parallel.all_reduce(self.routed(x, ids, derived), self.group).to(x.dtype) + self.shared_experts(x)
+
+    def routed(self, x, ids, derived):
+        """This rank's experts' fp32 part of each row: densely where the rows' choices reach
+        the rank's expert count, else gathered (another rank's choice reads expert n-1 with
+        weight 0)."""
+        n = len(self.experts)
+        chosen, weights = self.gate(x, ids)  # [N, k]
         local, weights = self.local(chosen, weights)
-        if chosen.numel() < n:  # another rank's choice reads expert n-1 with weight 0
-            partial = self.gathered(x, local.clamp(max=n - 1), weights, derived, torch.float32)
-        else:  # static shapes on every backend: each of the rank's experts once, on every row
-            partial = self.dense(x, local, weights, derived)
-        return parallel.all_reduce(partial, self.group).to(x.dtype) + self.shared_experts(x)
+        if chosen.numel() < n:
+            return self.gathered(x, local.clamp(max=n - 1), weights, derived, torch.float32)
+        return self.dense(x, local, weights, derived)  # static shapes on every backend: each of the rank's experts once, on every row
 
     def dense(self, x, local, weights, stacked):
         """The rank's experts on every row, each row weighted by its weight for the expert
@@ -874,11 +923,18 @@ class DeepseekV4ForCausalLM(CausalLM):
         return x
 
     @torch.no_grad()
-    def prefill(self, ids, slot, caches, start=0):
+    def prefill(self, ids, slot, caches, start=0, rows=None):
+        """rows: run the chunk as that many rows, the ones past ids padding rows that write
+        the scratch slot (ranks in lockstep run calls of equal rows; runtime.engine); with
+        no ids at all, only padding, and no logits (None)."""
         n = ids.shape[0]
         positions = torch.arange(start, start + n, device=ids.device)
-        x = self.run_layers("prefill", ids, positions, torch.full((n,), slot, dtype=torch.long, device=ids.device), caches)
-        return self.final(x[-1:])[0]
+        slots = torch.full((n,), slot, dtype=torch.long, device=ids.device)
+        if rows is not None and rows > n:
+            pad = torch.zeros(rows - n, dtype=torch.long, device=ids.device)
+            ids, positions, slots = torch.cat([ids, pad]), torch.cat([positions, pad]), torch.cat([slots, pad + SCRATCH_SLOT])
+        x = self.run_layers("prefill", ids, positions, slots, caches)
+        return self.final(x[n - 1 : n])[0] if n else None
 
     @torch.no_grad()
     def decode(self, ids, positions, caches):

@@ -27,7 +27,7 @@ from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, c
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
-from ..parallel import flag
+from ..parallel import data_parallel, flag
 from ..plugins import load_plugins
 from ..kvcache import Regions
 from .dispatch import Dispatcher, StepMemo
@@ -120,6 +120,13 @@ class Bundle:
     @property
     def max_batch(self) -> int:
         return max(self.manifest.shapes.batch)
+
+    @property
+    def capacity(self) -> int:
+        """Requests that run at once: the largest batch bucket, on each rank where the ranks
+        run data-parallel attention (each its own sequences)."""
+        layout = self.manifest.parallel
+        return self.max_batch * (layout.world_size if data_parallel(layout) else 1)
 
     @property
     def max_seq(self) -> int:

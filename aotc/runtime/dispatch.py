@@ -30,7 +30,9 @@ before them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
@@ -60,6 +62,7 @@ class StepMemo:
     def __init__(self):
         self.made: dict[tuple[int, object], tuple[torch.Tensor, int, object]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # the last padded call's
+        self.reach = 0  # positions every call's context bucket holds at least (context_floor)
 
     def get(self, t: torch.Tensor, what):
         key = (id(t), what)
@@ -185,14 +188,14 @@ class Dispatcher:
         """The smallest context bucket that holds every row's position."""
         if self.context_at is None:
             return None
-        positions = args[self.context_at]
-        found = self.memo.get(positions, "context")
+        positions, reach = args[self.context_at], self.memo.reach
+        found = self.memo.get(positions, ("context", reach))
         if found is not None and found in self.steps:
             return found
-        need = int(positions.max()) + 1
+        need = max(int(positions.max()) + 1, reach)
         for c in self.contexts:
             if c >= need:
-                return self.memo.put(positions, "context", c)
+                return self.memo.put(positions, ("context", reach), c)
         raise BundleError(
             f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); "
             "rebuild with a larger --max-seq"
@@ -319,6 +322,22 @@ def _covers(buckets: tuple[int, ...]) -> dict[int, list[int]]:
         options += [(b + CALL_ROWS + best[r - b][0], b + best[r - b][1], [b] + best[r - b][2]) for b in buckets if b < r]
         best[r] = min(options, key=lambda o: o[:2])
     return {r: calls for r, (_, _, calls) in best.items()}
+
+
+@contextlib.contextmanager
+def context_floor(model: torch.nn.Module, reach: int) -> Iterator[None]:
+    """Within it, every entry of the bound model that has context buckets runs at one that
+    holds `reach` positions at least, whatever its rows' positions: ranks in lockstep run
+    the same graph, though each rank's own rows reach other positions. An eager model
+    reads its whole caches: nothing to do."""
+    memos = {id(d.memo): d.memo for m in model.modules() for d in vars(m).values() if isinstance(d, Dispatcher)}
+    for memo in memos.values():
+        memo.reach = reach
+    try:
+        yield
+    finally:
+        for memo in memos.values():
+            memo.reach = 0
 
 
 def is_bound(model: torch.nn.Module) -> bool:

@@ -20,6 +20,21 @@ chunk per step (vllm-neuron's and vLLM's chunked-prefill order), and with nothin
 decoding, chunks run back to back. A finished row leaves at once, and a new request
 joins at the next step, where static groups kept every row stepping until the whole
 group ended and new prompts waiting for the next group.
+
+Data-parallel attention (a bundle built with --data-parallel-attention): each rank of the
+launch runs its own requests in its own cache slots, and its MoE layers meet the other
+ranks' in collectives, so the ranks step in lockstep. Every rank runs this same engine
+over every request (the same submissions in the same order, the same decisions); the
+global slot r * max_batch + l is slot l of rank r, a new request takes the rank with the
+most free slots, and a rank runs only its own slots' rows:
+    - one decode call of as many rows as the rank that needs the most (its highest
+      decoding slot + 1), at the context bucket of the furthest row of any rank; a rank
+      with fewer rows runs dead rows, one with none only dead rows;
+    - one prefill call per rank: its oldest prefilling request's next tokens, padded to
+      as many rows as the longest of the ranks' (a rank with nothing to prefill runs
+      padding rows into its scratch slot);
+    - one all-gather of the step's chosen tokens (of their logits, where a row samples or
+      keeps its logits), after which every rank takes every row's token alike.
 """
 
 from __future__ import annotations
@@ -34,6 +49,8 @@ import torch
 
 from ..errors import AotcError
 from ..models.base import CausalLM
+from ..parallel import data_parallel, settled
+from .dispatch import context_floor
 from .sampling import Choice, Sampler, SamplingParams
 
 GREEDY = SamplingParams()
@@ -78,12 +95,15 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_steps: int = 0
     steps: int = 0
+    exchange_s: float = 0.0  # data-parallel ranks: the all-gathers of each step's tokens
+    idle_calls: int = 0  # data-parallel ranks: calls this rank ran with no row of its own, in lockstep
 
 
 class Engine:
     """Continuous batching (module docstring) over `model` and its `caches` (allocated for
     `slots` cache slots, the last the scratch slot, and `max_seq` positions). max_batch:
-    the most rows decoding at once (at most slots - 1: the bundle's largest batch bucket).
+    the most rows decoding at once (at most slots - 1: the bundle's largest batch bucket),
+    on each rank where the model's ranks run data-parallel attention (module docstring).
     chunk: the most prompt tokens one step prefills (the bundle's prefill chunk)."""
 
     def __init__(self, model: CausalLM, caches: dict, *, slots: int, max_seq: int, max_batch: int | None = None,
@@ -94,7 +114,11 @@ class Engine:
         self.max_batch = min(max_batch or slots - 1, slots - 1)
         self.eos = frozenset(eos_ids)
         self.device = next(model.parameters()).device
-        self.free = list(range(self.max_batch))  # the scratch slot (slots - 1) is never handed out
+        layout = model.config.parallel
+        # Data-parallel ranks: this rank, and how many share out the requests.
+        self.rank, self.ranks = (model.config.rank, layout.world_size) if data_parallel(layout) else (0, 1)
+        self.capacity = self.max_batch * self.ranks  # requests holding a slot at once
+        self.free = list(range(self.capacity))  # each rank's scratch slot (slots - 1) is never handed out
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []  # in the order they took their slots
         self.decoding: list[Request] = []
@@ -161,16 +185,31 @@ class Engine:
             request = self.waiting.popleft()
             if request.done:  # aborted while waiting
                 continue
-            request.slot = self.free.pop(0)
+            request.slot = self._free_slot()
             self.prefilling.append(request)
-        if self.decoding:
-            self._decode()
-        if self.prefilling:
-            self._prefill()
-        elif not self.decoding and self.waiting:  # a bug of the engine's, not the caller's
+        if self.ranks > 1:
+            self._lockstep()
+        else:
+            if self.decoding:
+                self._decode()
+            if self.prefilling:
+                self._prefill()
+        if not (self.prefilling or self.decoding) and self.waiting:  # a bug of the engine's, not the caller's
             raise RuntimeError(f"engine stuck: {len(self.waiting)} requests wait and no slot is free or in use (free: {self.free})")
         self._release()  # what ended in this step: the engine is idle as soon as the last one is done
         self.stats.steps += 1
+
+    def _free_slot(self) -> int:
+        """The lowest free slot; across data-parallel ranks, of the rank with the most free."""
+        if self.ranks == 1:
+            return self.free.pop(0)
+        per = [0] * self.ranks
+        for slot in self.free:
+            per[slot // self.max_batch] += 1
+        rank = max(range(self.ranks), key=lambda r: (per[r], -r))
+        slot = next(s for s in self.free if s // self.max_batch == rank)
+        self.free.remove(slot)
+        return slot
 
     def _release(self) -> None:
         for group in (self.prefilling, self.decoding):
@@ -238,10 +277,86 @@ class Engine:
                 self._carry = None
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _take(self, rows: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
-        """Each row's next token from its row of logits [rows, vocab]; ends the rows that are
+    def _lockstep(self) -> None:
+        """One step of data-parallel ranks (module docstring): this rank's decode and prefill
+        calls, as large as the largest rank's, then the all-gather of every rank's rows."""
+        mb, mine = self.max_batch, self.rank
+        decoding = [[r for r in self.decoding if r.slot // mb == k] for k in range(self.ranks)]
+        rows = max((d[-1].slot % mb + 1 for d in decoding if d), default=0)
+        pieces = []  # per rank: (request, start, tokens) or None
+        for k in range(self.ranks):
+            request = next((r for r in self.prefilling if r.slot // mb == k), None)
+            pieces.append(None if request is None else (request, request.prefilled, min(self.chunk, len(request.prompt_ids) - request.prefilled)))
+        chunk = max((p[2] for p in pieces if p), default=0)
+        if not rows and not chunk:
+            return
+        out = []
+        if rows:
+            t0 = time.perf_counter()
+            owner = {r.slot % mb: r for r in decoding[mine]}
+            filling = {r.slot % mb: r.prefilled for r in self.prefilling if r.slot // mb == mine}
+            ids = torch.tensor([owner[s].new_ids[-1] if s in owner else 0 for s in range(rows)], device=self.device)
+            positions = torch.tensor([owner[s].position if s in owner else filling.get(s, 0) for s in range(rows)], device=self.device)
+            self.stats.idle_calls += not decoding[mine]
+            with context_floor(self.model, max(r.position for r in self.decoding) + 1):
+                # A copy: on a resident device the prefill below may run the head's graph again.
+                out.append(self.model.decode(ids, positions, self.caches).to(torch.float32, copy=True))  # [rows, vocab]
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_steps += 1
+        if chunk:
+            t0 = time.perf_counter()
+            piece = pieces[mine]
+            if piece is None:  # padding rows into the scratch slot only
+                self.stats.idle_calls += 1
+                self.model.prefill(torch.zeros(0, dtype=torch.long, device=self.device), 0, self.caches, rows=chunk)
+                out.append(torch.zeros(1, self.model.config.vocab_size, device=self.device))
+            else:
+                request, start, n = piece
+                ids = torch.tensor(request.prompt_ids[start : start + n], device=self.device)
+                out.append(self.model.prefill(ids, request.slot % mb, self.caches, start=start, rows=chunk).to(torch.float32, copy=True)[None])
+            self.stats.prefill_s += time.perf_counter() - t0
+        # Every rank's rows: their tokens, or their logits where a row samples or keeps them.
+        t0 = time.perf_counter()
+        ending = [p[0] for p in pieces if p and p[1] + p[2] == len(p[0].prompt_ids)]
+        full = any(r.sampler is not None or r.keep_logits for r in [*self.decoding, *ending])
+        mine_rows = torch.cat(out)
+        every = self._gather(mine_rows if full else mine_rows.argmax(dim=-1))  # [ranks, rows + (1 if chunk)]
+        self.stats.exchange_s += time.perf_counter() - t0
+
+        def of(requests, at):  # each request's row of every rank's rows
+            picked = [every[r.slot // mb, at(r)] for r in requests]
+            return torch.stack(picked) if picked else None
+
+        if rows:
+            flat = [r for d in decoding for r in d]  # in global slot order, as self.decoding
+            self._take(flat, *((of(flat, lambda r: r.slot % mb), None) if full else (None, of(flat, lambda r: r.slot % mb))))
+        for p in pieces:
+            if p is not None:
+                request, start, n = p
+                request.prefilled = start + n
+                self.stats.prefill_tokens += n
+        if ending:
+            self._take(ending, *((of(ending, lambda r: rows), None) if full else (None, of(ending, lambda r: rows))))
+            self.prefilling = [r for r in self.prefilling if r not in ending]
+            self.free = sorted(self.free + [r.slot for r in ending if r.done])  # its first token ended it
+            started = [r for r in ending if not r.done]
+            self.decoding = sorted(self.decoding + started, key=lambda r: r.slot)
+
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's `mine`, stacked in rank order."""
+        import torch.distributed as dist
+
+        mine = mine.contiguous()
+        every = [torch.empty_like(mine) for _ in range(self.ranks)]
+        dist.all_gather(every, mine)
+        settled(mine, *every)
+        return torch.stack(every)
+
+    def _take(self, rows: list[Request], logits: torch.Tensor | None, argmax: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each row's next token from its row of logits [rows, vocab] (or, where every row
+        takes the argmax and keeps no logits, from `argmax`, [rows]); ends the rows that are
         done. Returns the tokens as a tensor where that is the argmax's own (every row greedy)."""
-        argmax = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1) if argmax is None else argmax
         tokens = argmax.tolist()
         plain = True
         for i, request in enumerate(rows):

@@ -43,6 +43,8 @@ class Generation:
     ttft_s: float = 0.0  # from the call to the first token of the first group
     prefill_tokens: int = 0
     decode_steps: int = 0
+    exchange_s: float = 0.0  # data-parallel ranks: the per-step all-gathers of tokens (runtime.engine)
+    idle_calls: int = 0  # data-parallel ranks: lockstep calls this rank ran with no row of its own
 
     @property
     def new_tokens(self) -> int:
@@ -145,6 +147,7 @@ def generate(
     result.ttft_s = min(firsts) - t_start if firsts else 0.0
     stats = engine.stats
     result.prefill_s, result.decode_s, result.prefill_tokens, result.decode_steps = stats.prefill_s, stats.decode_s, stats.prefill_tokens, stats.decode_steps
+    result.exchange_s, result.idle_calls = stats.exchange_s, stats.idle_calls
     for s in result.sequences:
         s.stopped = s.request.stopped
     return result

@@ -138,12 +138,21 @@ def _end(children: list[subprocess.Popen]) -> None:
 def agree(gen) -> None:
     """Every rank of a parallel generation made the same tokens (the same buckets, the same
     gathered logits): an error naming the ranks that did not."""
+    import hashlib
+
+    import torch
     import torch.distributed as dist
 
-    mine = [s.new_ids for s in gen.sequences]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    differs = [r for r, theirs in enumerate(every) if theirs != every[0]]
+    from ..parallel import settled
+
+    # A digest of the tokens, as a tensor: all_gather_object's pickled tensors are not
+    # ours to wait for (parallel.settled).
+    digest = hashlib.sha256(json.dumps([s.new_ids for s in gen.sequences]).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    settled(mine, *every)
+    differs = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
     if differs:
         from ..errors import AotcError
 

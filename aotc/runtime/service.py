@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..errors import AotcError
+from ..parallel import settled
 from .engine import Engine, Request
 from .sampling import SamplingParams
 from .session import Completion, Prompt, Session, TokenEvent, token_events
@@ -193,7 +194,8 @@ class Service:
         self._aborted: list[int] = []  # the ids of requests aborted or stopped since the last plan
         if self.world_size > 1:  # a parallel bundle: rank 0 plans each step and picks the tokens
             self._plan = _Plan(self.engine.device)
-            self.engine.agree = self._agree
+            if self.engine.ranks == 1:  # every rank runs every row: each takes rank 0's tokens
+                self.engine.agree = self._agree  # (data-parallel ranks gather every rank's tokens: runtime.engine)
         self._thread = threading.Thread(target=self._loop, name="aotc-engine", daemon=True)
         self._thread.start()
 
@@ -229,9 +231,9 @@ class Service:
             if self._closing:
                 raise AotcError("this service is closed; open another with session.service()")
             running, waiting = self.counts()
-            if self.max_waiting is not None and running + waiting >= self.engine.max_batch + self.max_waiting:
+            if self.max_waiting is not None and running + waiting >= self.engine.capacity + self.max_waiting:
                 raise QueueFull(
-                    f"{running} requests run and {waiting} wait for a slot ({self.engine.max_batch} slots, max_waiting "
+                    f"{running} requests run and {waiting} wait for a slot ({self.engine.capacity} slots, max_waiting "
                     f"{self.max_waiting}); try again later"
                 )
             self._queued += 1
@@ -343,6 +345,7 @@ class Service:
 
         chosen = torch.tensor(tokens, dtype=torch.int64, device=self.engine.device)
         dist.broadcast(chosen, src=0)
+        settled(chosen)
         return chosen.tolist()
 
     def _take(self, block: bool) -> None:
@@ -431,11 +434,13 @@ class _Plan:
             if len(body) <= inline:
                 header[4 : 4 + len(body)] = torch.tensor(body, dtype=torch.int64)
         dist.broadcast(header, src=0)
+        settled(header)
         closing, n_new, n_aborted, length = header[:4].tolist()
         if length <= inline:
             return closing, n_new, n_aborted, header[4 : 4 + length].tolist()
         rest = torch.tensor(body, dtype=torch.int64, device=self.device) if head is not None else torch.empty(length, dtype=torch.int64, device=self.device)
         dist.broadcast(rest, src=0)
+        settled(rest)
         return closing, n_new, n_aborted, rest.tolist()
 
 

@@ -47,6 +47,8 @@ class Timings:
     decode_s: float
     decode_steps: int
     decode_tokens_per_s: float
+    exchange_s: float = 0.0  # data-parallel ranks: the per-step all-gathers of every rank's tokens
+    idle_calls: int = 0  # data-parallel ranks: calls this rank ran in lockstep with no row of its own
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,11 @@ class Session:
             import torch
             import torch.distributed as dist
 
+            from ..parallel import settled
+
             seeds = torch.tensor([int.from_bytes(os.urandom(7), "little") for _ in params])
             dist.broadcast(seeds, src=0)
+            settled(seeds)
             params = [p if p.seed is not None else dataclasses.replace(p, seed=int(seed)) for p, seed in zip(params, seeds.tolist())]
         return params
 
@@ -399,7 +404,7 @@ def completions(gen: Generation, tokenizer, eos_ids, load_s: float, setup_s: flo
         )
         for i, s in enumerate(gen.sequences)
     ]  # fmt: skip
-    t = Timings(load_s, setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s)
+    t = Timings(load_s, setup_s, gen.ttft_s, gen.prefill_s, gen.prefill_tokens, gen.decode_s, gen.decode_steps, gen.decode_tokens_per_s, gen.exchange_s, gen.idle_calls)
     return Completions(items, t, check)
 
 

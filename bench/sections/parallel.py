@@ -3,7 +3,8 @@ under --quick), each through `aotc run --check` in fresh processes (TP=2: two lo
 ranks, each with half the cores), beside eager in one process; and the weight bytes each
 rank holds, by kind. Then a DeepSeek V4 (the tiny one, 3 layers and 4 experts, under
 --quick; else 6 layers of the v4 section's ~100M shapes, 16 experts) at --expert-parallel 1 and 2 the same way, with the
-routed experts' bytes each rank holds. On a machine of 2 cores this shows correctness and
+routed experts' bytes each rank holds, and the same V4 at --expert-parallel 2 with and without
+--data-parallel-attention on 4 prompts. On a machine of 2 cores this shows correctness and
 the collectives' overhead, not a speed-up: two ranks of one thread each do the work of one
 process of two threads, plus their all-reduces per step."""
 
@@ -89,6 +90,51 @@ def v4_experts(run: Run, new: str) -> tuple[list[dict], list[dict]]:
     return rows, weights
 
 
+PROMPTS = [PROMPT, "Hello, world!", "The sea is", "a b c d e f g h i j k l m n o p"]
+
+
+def v4_data_parallel(run: Run, new: str) -> list[dict]:
+    """The same 4 prompts through V4 at --expert-parallel 2: part 1 (every rank runs every
+    row: batch buckets up to 4, 5 cache slots on each rank) beside part 2 (data-parallel
+    attention: each rank 2 of the rows, 3 cache slots); bytes each rank holds, collectives
+    per step, and what the lockstep costs (the per-step all-gather of tokens, and the
+    calls a rank ran with no row of its own)."""
+    from aotc.format import read_manifest
+
+    model_dir = run.root / "parallel-v4"
+    model = load_model(model_dir).model
+    layers = model.config.num_hidden_layers
+    rows = []
+    for dp, buckets in ((False, (1, 2, 4)), (True, (1, 2))):
+        out = run.bundle(model_dir, f"parallel-ep2-dp{int(dp)}", batch_buckets=buckets, chunk_buckets=(64,), expert_parallel=2, data_parallel_attention=dp)
+        args = [str(out), "--check", "--json", "--max-new-tokens", new, "--max-batch", str(max(buckets))]
+        for p in PROMPTS:
+            args += ["--prompt", p]
+        done = subprocess.run([sys.executable, "-m", "aotc", "run", *args], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"parallel: aotc run {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        m, t = read_manifest(out), report["timings"]
+        held = expert_bytes(out, model_dir)[0]
+        if dp:
+            moe = "all-gather + fp32 reduce-scatter" if m.parallel.gather == "collectives" else "2 all-reduces (rows placed, fp32 sums)"
+            per_step = f"{layers} x ({moe}) per call + 1 all-gather of tokens"
+        else:
+            per_step = f"{layers} x fp32 all-reduce per call"
+        steps_s = t["prefill_s"] + t["decode_s"]
+        rows.append({
+            "what": "part 2: data-parallel attention" if dp else "part 1: attention on every rank", "sequences at once": max(buckets) * (2 if dp else 1),
+            "cache slots per rank": m.shapes.cache_slots, "caches MB per rank": model.cache_bytes(m.shapes.cache_slots, m.shapes.max_seq) / 1e6,
+            "weights MB per rank": held["routed experts MB"] + held["rest MB"], "collectives per step": per_step,
+            "decode tokens/s": t["decode_tokens_per_s"], "ttft ms": t["ttft_s"] * 1e3,
+            "lockstep all-gather share": t.get("exchange_s", 0.0) / steps_s if steps_s else 0.0, "idle calls (rank 0)": t.get("idle_calls", 0),
+            "tokens equal eager": report["check"]["tokens_equal"],
+        })  # fmt: skip
+    for r in rows:
+        r["caches / part 1's"] = r["caches MB per rank"] / rows[0]["caches MB per rank"]
+    return rows
+
+
 @section("parallel")
 def parallel_section(run: Run) -> dict:
     name = run.main
@@ -118,4 +164,6 @@ def parallel_section(run: Run) -> dict:
     v4_rows, v4_weights = v4_experts(run, new)
     table(f"batch-1 decode, DeepSeek V4, {new} new tokens (2 cores: correctness and overhead, not speed)", v4_rows)
     table("routed experts' bytes each rank's graphs hold", v4_weights)
-    return {"model": name, "new_tokens": int(new), "rows": rows, "weights": weights, "v4_rows": v4_rows, "v4_weights": v4_weights}
+    dp_rows = v4_data_parallel(run, new)
+    table(f"DeepSeek V4 at expert parallel 2, 4 prompts, {new} new tokens: attention on every rank (part 1) or data-parallel (part 2)", dp_rows)
+    return {"model": name, "new_tokens": int(new), "rows": rows, "weights": weights, "v4_rows": v4_rows, "v4_weights": v4_weights, "v4_data_parallel": dp_rows}
