@@ -566,10 +566,13 @@ def run_rank(**arguments) -> int:
     import click
 
     _options(verbose=False)  # as the command line would: --verbose reaches the ranks as VERBOSE_ENV
+    _stop_on_sigterm()  # the launcher ends a rank with SIGTERM: its bundle copy is removed as for Ctrl-C
     try:
         run(**{**arguments, "path": Path(arguments["path"]), "messages": [Path(m) for m in arguments["messages"]]})
     except (click.exceptions.Exit, typer.Exit) as e:  # typer's own Exit is no click Exit (typer 0.20+)
         return e.exit_code
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
@@ -577,7 +580,11 @@ def _launch_ranks(world_size: int, arguments: dict) -> None:
     """aotc run on a parallel bundle: run_rank once per rank, started and watched (runtime.launch)."""
     from .runtime.launch import launch
 
-    code, why = launch("aotc.cli:run_rank", arguments, world_size)
+    try:
+        code, why = launch("aotc.cli:run_rank", arguments, world_size)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the launcher has ended the ranks and removed its folder
+        err_console.print("[yellow]interrupted[/]: ended the ranks", highlight=False)
+        raise typer.Exit(130) from None
     if why:
         err_console.print(f"[red]error:[/] {escape(why)}; ended the other ranks", highlight=False)
     raise typer.Exit(code)

@@ -31,9 +31,26 @@ from .errors import AotcError
 from .format import GroupRecord, ParallelRecord, ShardSpec
 
 SINGLE = ParallelRecord(world_size=1, tensor_parallel=1, expert_parallel=1, attention="replicated", gather="collectives", groups=[], collectives="none")
-# A collective that waits longer than this on a rank that died or hangs fails on the
-# others (the launcher ends them first, within seconds, when it sees a rank die).
-TIMEOUT = datetime.timedelta(seconds=60)
+# Every wait on other ranks lasts at most this long: meeting them (the rendezvous), a
+# collective on a rank that died, stopped or hangs, and (the launcher's) the other ranks'
+# ends after one has ended. The launcher ends the others first, within a second, when it
+# sees a rank die.
+TIMEOUT_ENV = "AOTC_RANK_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def rank_timeout() -> datetime.timedelta:
+    """AOTC_RANK_TIMEOUT seconds (default 60): every wait on other ranks."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise AotcError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds (every wait on other ranks; default {DEFAULT_TIMEOUT_S:.0f})")
+    return datetime.timedelta(seconds=seconds)
 
 
 def record(degree: int, experts: int = 1, data_parallel_attention: bool = False, gather: str = "collectives") -> ParallelRecord:
@@ -267,7 +284,27 @@ def joined_rank() -> tuple[int, int] | None:
         ) from None
     if not 0 <= rank < world:
         raise AotcError(f"RANK={rank} WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    check_launch_environment(world)
     return rank, world
+
+
+def check_launch_environment(world: int) -> None:
+    """What torch's rendezvous reads, checked as arguments are: MASTER_ADDR set,
+    MASTER_PORT a port, LOCAL_WORLD_SIZE and LOCAL_RANK counts that fit the world."""
+    env = os.environ
+    fix = "torchrun sets them; unset RANK and WORLD_SIZE to let aotc run start the ranks itself"
+    if not env.get("MASTER_ADDR", "").strip():
+        raise AotcError(f"MASTER_ADDR is not set: every rank of a launch meets rank 0's host at MASTER_ADDR:MASTER_PORT ({fix})")
+    port = env.get("MASTER_PORT", "")
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise AotcError(f"MASTER_PORT={port!r}: expected the port (1 to 65535) where rank 0 listens ({fix})")
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local is not None and not (local.isdigit() and 1 <= int(local) <= world):
+        raise AotcError(f"LOCAL_WORLD_SIZE={local!r}: expected the ranks on this host, 1 to WORLD_SIZE ({world}) ({fix})")
+    local_rank = env.get("LOCAL_RANK")
+    if local_rank is not None and not (local_rank.isdigit() and int(local_rank) < int(local or world)):
+        raise AotcError(f"LOCAL_RANK={local_rank!r}: expected this rank's index on its host, 0 to {int(local or world) - 1} ({fix})")
+    rank_timeout()
 
 
 def join(layout: ParallelRecord, rank: int, device: str) -> None:
@@ -279,7 +316,17 @@ def join(layout: ParallelRecord, rank: int, device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         backend = "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=TIMEOUT)
+    timeout = rank_timeout()
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=timeout)
+    except (RuntimeError, OSError, ValueError) as e:  # torch's store and rendezvous errors (DistError is a RuntimeError)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AotcError(
+            f"rank {rank} of {layout.world_size} could not meet the other ranks at {where} within {timeout.total_seconds():g} s "
+            f"({TIMEOUT_ENV}): {first}. Start every rank of the launch, each with its own RANK, and MASTER_ADDR:MASTER_PORT "
+            "where rank 0 can listen and the others reach it"
+        ) from None
     check_groups(layout)
 
 

@@ -573,8 +573,83 @@ ROUND_TWO = [
     bad_input("hub ids", "--revision ''", lambda m, ws: ["build", "org/tiny", "--revision", "", *BUILT], "--revision"),
 ]
 
-CASES = TRUST + NOTHING_LOST + ROUND_TWO
-CLASSES = ("trust", "nothing lost", "resources", "eager path", "templates", "model folders", "hub ids")
+# -- ranks (issue 76): a launch's environment, ranks that cannot meet, the launcher's signals --
+
+TP2 = ("--tensor-parallel", "2")
+
+
+def launched(env: dict, words: str, ranks: int = 1) -> Callable[["Probe", Path], str]:
+    """`aotc run` on a TP=2 bundle as torchrun-style ranks with `env` (a deadline of 2 s):
+    refused when every one exits 2 naming `words` within the deadline and start-up."""
+
+    def run(p: Probe, ws: Path) -> str:
+        b = p.bundle("export", *TP2)
+        base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "AOTC_RANK_TIMEOUT": "2"}
+        command = [sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), "--prompt", "hi"]
+        full = {**p.env, **base, **env}
+        procs = [subprocess.Popen(command, env={k: v for k, v in full.items() if v is not None}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(ranks)]
+        outcomes = []
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return "hang"
+            outcomes.append(judge(Result(proc.returncode, proc.stdout.read()), words))
+        return next((o for o in outcomes if o != "refused"), "refused")
+
+    return run
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_sigterm(p: Probe, ws: Path) -> str:
+    """SIGTERM to `aotc run`'s launcher once both ranks opened the bundle: handled when it
+    exits 130 and its temp folder is empty (no aotc-ranks-* log folder, no bundle copy)."""
+    b = p.bundle("export", *TP2)
+    temp = ws / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), "--prompt", "hi", "--max-new-tokens", "60"],
+                            env={**p.env, "TMPDIR": str(temp)}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    end = time.monotonic() + 120
+    while not any(temp.glob("aotc-ranks-*/rank1.log")) or len(list(temp.glob("aotc-bundle-*"))) < 2:
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            return f"other (the ranks never started: {proc.stdout.read()[-200:]})"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "hang"
+    time.sleep(2)  # the ranks remove their copies as they end
+    left = sorted(x.name for x in temp.iterdir())
+    if left:
+        return f"lost ({', '.join(left)} left)"
+    return "handled" if proc.returncode == 130 else f"other (exit {proc.returncode})"
+
+
+RANKS = [
+    *[Case("ranks", f"{k}={v!r}", launched({"RANK": "0", k: v}, words)) for k, v, words in (
+        ("MASTER_ADDR", None, "MASTER_ADDR is not set"), ("MASTER_PORT", "abc", "MASTER_PORT='abc'"), ("MASTER_PORT", "0", "MASTER_PORT='0'"),
+        ("LOCAL_WORLD_SIZE", "0", "LOCAL_WORLD_SIZE='0'"), ("LOCAL_WORLD_SIZE", "abc", "LOCAL_WORLD_SIZE='abc'"), ("LOCAL_RANK", "5", "LOCAL_RANK='5'"),
+        ("AOTC_RANK_TIMEOUT", "abc", "AOTC_RANK_TIMEOUT='abc'"),
+    )],
+    Case("ranks", "a lone RANK=1", launched({"RANK": "1"}, "could not meet the other ranks")),
+    Case("ranks", "two RANK=0", launched({"RANK": "0"}, "could not meet the other ranks", ranks=2)),
+    Case("ranks", "an unreachable MASTER_ADDR", launched({"RANK": "1", "MASTER_ADDR": "192.0.2.1"}, "could not meet the other ranks")),
+    Case("ranks", "SIGTERM to the launcher", launcher_sigterm),
+]
+
+CASES = TRUST + NOTHING_LOST + ROUND_TWO + RANKS
+CLASSES = ("trust", "nothing lost", "resources", "eager path", "templates", "model folders", "hub ids", "ranks")
 
 
 def main() -> None:

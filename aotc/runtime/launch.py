@@ -17,10 +17,13 @@ here dies with it (PR_SET_PDEATHSIG). It also restarts and re-rendezvouses
 workers, which a fixed-shape inference run has no use for.
 
 A rank that dies leaves the others blocked in a collective until the process
-group's timeout (aotc.parallel.TIMEOUT). The launcher does not wait for that: it
-polls its children, and when one exits with an error it ends the rest and exits 1
-naming that rank. Each child dies with the launcher (PR_SET_PDEATHSIG), so a
-killed launcher leaves no rank behind either.
+group's timeout (aotc.parallel.rank_timeout, AOTC_RANK_TIMEOUT). The launcher does
+not wait for that: it polls its children, and when one exits with an error it ends
+the rest and exits 1 naming that rank. A rank that stops or hangs fails the others'
+next collective within that timeout; one that has not ended within it after another
+rank ended well (stopped after its last token) is ended, named. Each child dies with
+the launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no rank behind either;
+SIGTERM to the launcher ends the ranks and its log folder as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -67,9 +70,12 @@ def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool
     rank ends by itself, else 1 with the rank that failed first. forward: SIGTERM and
     SIGINT sent to this process go to rank 0, which ends the launch its own way (a
     server's drain), instead of ending every rank."""
+    from ..parallel import rank_timeout
+
     module, _, function = entry.partition(":")
     if not module or not function:
         raise ValueError(f"launch entry {entry!r}: expected 'module:function'")
+    deadline = rank_timeout().total_seconds()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     logs = tempfile.TemporaryDirectory(prefix="aotc-ranks-")  # 0700: the call file is ours alone
     call = Path(logs.name) / "call.json"
@@ -79,6 +85,12 @@ def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool
     if forward:
         for sig in (signal.SIGTERM, signal.SIGINT):
             before[sig] = signal.signal(sig, lambda sig, frame: children[0].send_signal(sig) if children else None)
+    else:  # SIGTERM stops the launch as Ctrl-C does: the ranks ended, the log folder removed
+
+        def interrupt(sig, frame):
+            raise KeyboardInterrupt
+
+        before[signal.SIGTERM] = signal.signal(signal.SIGTERM, interrupt)
     try:
         for rank in range(world_size):
             log = None if rank == 0 else open(Path(logs.name) / f"rank{rank}.log", "wb")
@@ -86,7 +98,7 @@ def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool
                 [sys.executable, "-m", __name__, str(call)], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                 stdout=out if rank == 0 else log, stderr=None if rank == 0 else log, preexec_fn=_die_with_parent,
             ))  # fmt: skip
-        return _watch(children, logs.name)
+        return _watch(children, logs.name, deadline)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
@@ -94,7 +106,11 @@ def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool
         logs.cleanup()
 
 
-def _watch(children: list[subprocess.Popen], logs: str) -> tuple[int, str | None]:
+def _watch(children: list[subprocess.Popen], logs: str, deadline: float = float("inf")) -> tuple[int, str | None]:
+    """Until every rank ends, or one fails (1, naming it), or one has not ended `deadline` s
+    after another ended well (1, naming it: stopped, or waiting on a collective no other
+    rank will join)."""
+    first_end = None  # (when, rank) of the first rank to end well
     while True:
         codes = [c.poll() for c in children]
         # The others fail in turn when their collective loses its peer: a rank killed by a
@@ -105,6 +121,14 @@ def _watch(children: list[subprocess.Popen], logs: str) -> tuple[int, str | None
             return 1, f"rank {rank} {_how(codes[rank])}" + _tail(Path(logs) / f"rank{rank}.log")
         if all(code is not None for code in codes):
             return codes[0], None
+        if first_end is None and 0 in codes:
+            first_end = (time.monotonic(), codes.index(0))
+        if first_end is not None and time.monotonic() - first_end[0] > deadline:
+            rank = codes.index(None)
+            return 1, (
+                f"rank {rank} had not ended {deadline:g} s after rank {first_end[1]} did (AOTC_RANK_TIMEOUT): it is stopped, "
+                "or waits on a collective that no other rank will join"
+            ) + _tail(Path(logs) / f"rank{rank}.log")
         time.sleep(POLL_S)
 
 

@@ -193,6 +193,9 @@ class Service:
         self._new: list[Handle] = []  # taken since the last plan (rank 0 tells the other ranks)
         self._aborted: list[int] = []  # the ids of requests aborted or stopped since the last plan
         if self.world_size > 1:  # a parallel bundle: rank 0 plans each step and picks the tokens
+            from ..parallel import rank_timeout
+
+            self._heartbeat = min(HEARTBEAT, rank_timeout().total_seconds() / 4)  # the others wait in a collective meanwhile
             self._plan = _Plan(self.engine.device)
             if self.engine.ranks == 1:  # every rank runs every row: each takes rank 0's tokens
                 self.engine.agree = self._agree  # (data-parallel ranks gather every rank's tokens: runtime.engine)
@@ -375,7 +378,7 @@ class Service:
 
     def _wait(self) -> float | None:
         waits = [self._deadline - time.monotonic()] if self._deadline is not None else []
-        waits += [HEARTBEAT] if self.world_size > 1 else []
+        waits += [self._heartbeat] if self.world_size > 1 else []
         return max(0.0, min(waits)) if waits else None
 
     def _past_deadline(self) -> bool:

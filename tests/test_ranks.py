@@ -1,0 +1,141 @@
+"""Ranks that cannot meet, stop or hang end the run within one deadline (AOTC_RANK_TIMEOUT),
+naming what happened; the launch environment is checked as arguments are; SIGTERM to the
+launcher ends the ranks and leaves nothing behind (aotc.parallel, aotc.runtime.launch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aotc import parallel
+from aotc.errors import AotcError
+
+from .test_parallel import aotc, parallel_port, tp_bundle, tp_options  # noqa: F401 (the fixture)
+
+DEADLINE = "2"  # s: AOTC_RANK_TIMEOUT in these tests
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"MASTER_ADDR": None}, r"MASTER_ADDR is not set: every rank of a launch meets rank 0's host"),
+        ({"MASTER_ADDR": " "}, r"MASTER_ADDR is not set"),
+        ({"MASTER_PORT": "abc"}, r"MASTER_PORT='abc': expected the port \(1 to 65535\)"),
+        ({"MASTER_PORT": "0"}, r"MASTER_PORT='0': expected the port"),
+        ({"MASTER_PORT": "70000"}, r"MASTER_PORT='70000': expected the port"),
+        ({"MASTER_PORT": None}, r"MASTER_PORT='': expected the port"),
+        ({"LOCAL_WORLD_SIZE": "0"}, r"LOCAL_WORLD_SIZE='0': expected the ranks on this host, 1 to WORLD_SIZE \(2\)"),
+        ({"LOCAL_WORLD_SIZE": "abc"}, r"LOCAL_WORLD_SIZE='abc'"),
+        ({"LOCAL_WORLD_SIZE": "3"}, r"LOCAL_WORLD_SIZE='3'"),
+        ({"LOCAL_RANK": "2"}, r"LOCAL_RANK='2': expected this rank's index on its host, 0 to 1"),
+        ({"AOTC_RANK_TIMEOUT": "abc"}, r"AOTC_RANK_TIMEOUT='abc': expected a positive number of seconds"),
+        ({"AOTC_RANK_TIMEOUT": "0"}, r"AOTC_RANK_TIMEOUT='0'"),
+        ({"AOTC_RANK_TIMEOUT": "inf"}, r"AOTC_RANK_TIMEOUT='inf'"),
+    ],
+)
+def test_each_bad_launch_environment_value_is_refused_naming_it(monkeypatch, env, message):
+    good = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    for k, v in {**good, **env}.items():
+        monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+    with pytest.raises(AotcError, match=message):
+        parallel.joined_rank()
+    for k, v in good.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AOTC_RANK_TIMEOUT", raising=False)
+    assert parallel.joined_rank() == (1, 2) and parallel.rank_timeout().total_seconds() == 60
+
+
+def _rank_env(**more) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(parallel_port()), "AOTC_RANK_TIMEOUT": DEADLINE, **more}
+
+
+def test_a_bad_environment_value_exits_2_before_any_group_is_joined(tp_bundle):  # noqa: F811
+    t0 = time.monotonic()
+    done = aotc("run", tp_bundle.out, "--prompt", "Hi", env=_rank_env(RANK="0", MASTER_PORT="abc"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == ["error: MASTER_PORT='abc': expected the port (1 to 65535) where rank 0 listens (torchrun sets them; unset RANK and WORLD_SIZE to let aotc run start the ranks itself)"]
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("case", ["a lone rank 1", pytest.param("two ranks 0", marks=pytest.mark.slow), pytest.param("an unreachable MASTER_ADDR", marks=pytest.mark.slow)])
+def test_ranks_that_cannot_meet_end_within_the_deadline_naming_it(tp_bundle, case):  # noqa: F811
+    """Each rank exits 2 within the deadline (and start-up) with one error line: where it waited, for how long, and the fix."""
+    env = _rank_env(RANK="1" if case == "a lone rank 1" else "0")
+    if case == "an unreachable MASTER_ADDR":
+        env = {**env, "RANK": "1", "MASTER_ADDR": "192.0.2.1"}  # TEST-NET-1: nothing answers there
+    command = [sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi"]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2 if case == "two ranks 0" else 1)]
+    results = [(p.wait(60), p.stderr.read()) for p in procs]
+    assert time.monotonic() - t0 < float(DEADLINE) + 30
+    for code, stderr in results:
+        assert code == 2, stderr[-2000:]
+        # Above it, torch's own C++ log of the store's retries (TORCH_CPP_LOG_LEVEL), read
+        # at its import; no Python traceback.
+        line = stderr.strip().splitlines()[-1]
+        assert "Traceback" not in stderr and line.startswith("error: rank ") and "could not meet the other ranks at " in line and f"within {DEADLINE} s (AOTC_RANK_TIMEOUT)" in line, line
+
+
+STOPPING = """\
+import os, signal
+from aotc import Session
+
+
+def rank(bundle, when):
+    with Session.open(bundle) as session:
+        def on_token(event):
+            if when == "mid-decode" and session.rank == 1 and event.index == 0 and event.token_id is not None:
+                on_token.seen = getattr(on_token, "seen", 0) + 1
+                if on_token.seen == 3:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+        session.generate(["Hello, world!", "Once upon a time"], max_new_tokens=12, on_token=on_token)
+        if when == "after the last token" and session.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.parametrize("when", ["mid-decode", "after the last token"])
+def test_a_stopped_rank_ends_the_launch_within_the_deadline_naming_it(tp_bundle, tmp_path, monkeypatch, when):  # noqa: F811
+    """Rank 1 stops itself (SIGSTOP) after 3 tokens, or after its last: the other rank's next
+    collective fails within the deadline, or the launcher gives up on rank 1 that long after
+    rank 0 ended; either way the launch ends with status 1, naming the rank, and the stopped
+    rank is ended too."""
+    from aotc.runtime.launch import launch
+
+    (tmp_path / "stopping.py").write_text(STOPPING)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("AOTC_RANK_TIMEOUT", DEADLINE)
+    t0 = time.monotonic()
+    code, why = launch("stopping:rank", {"bundle": str(tp_bundle.out), "when": when}, 2)
+    assert code == 1 and time.monotonic() - t0 < float(DEADLINE) + 40
+    if when == "mid-decode":  # rank 0 waited on rank 1 in a collective for the deadline, then failed (its error on this terminal)
+        assert why == "rank 0 exited with status 1", why
+    else:
+        assert why.startswith(f"rank 1 had not ended {DEADLINE} s after rank 0 did (AOTC_RANK_TIMEOUT): it is stopped"), why
+
+
+def test_sigterm_ends_the_launcher_and_its_ranks_and_leaves_nothing_in_the_temp_folder(tp_bundle, tmp_path):  # noqa: F811
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "TMPDIR": str(temp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aotc", "run", str(tp_bundle.out), "--prompt", "Hi", "--max-new-tokens", "100", "--json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    end = time.monotonic() + 60
+    while not any(temp.glob("aotc-ranks-*/rank1.log")) or len(list(temp.glob("aotc-bundle-*"))) < 2:  # both ranks opened the bundle
+        assert time.monotonic() < end and proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 130, proc.stderr.read()[-2000:]
+    assert "interrupted: ended the ranks" in proc.stderr.read()
+    end = time.monotonic() + 10
+    while list(temp.iterdir()) and time.monotonic() < end:  # the ranks remove their bundle copies as they end
+        time.sleep(0.05)
+    assert not list(temp.iterdir())
