@@ -449,6 +449,7 @@ def run(
     from .format import read_manifest
     from .parallel import joined_rank
     from .runtime import generate
+    from .runtime.bundle import check_pin
     from .runtime.generate import check_lengths
     from .runtime.sampling import SamplingError, SamplingParams
     from .runtime.session import Session, completions, token_events
@@ -470,8 +471,12 @@ def run(
             loaded = load_model(model_dir)
             defaults = generation_defaults(model_dir, loaded.config_dict)
         else:
-            layout = read_manifest(path).parallel
+            manifest = read_manifest(path)
+            layout = manifest.parallel
             if layout.world_size > 1 and joined_rank() is None:
+                # Checked here, once, before any rank starts: the pin, and the arguments.
+                check_pin(Path(path), manifest, expect_digest, plugin)
+                _check_max_batch(max_batch, max(manifest.shapes.batch))
                 return _launch_ranks(layout.world_size, _rank_arguments(locals()))
             session = Session.open(path, model, revision=revision, threads=threads, expect_digest=expect_digest, plugins=plugin)
             model_dir, defaults = session.model_dir, session.defaults
@@ -505,8 +510,7 @@ def run(
         else:
             b = session.bundle
             max_seq = b.max_seq
-            if max_batch is not None and max_batch > b.max_batch:
-                raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {b.max_batch}")
+            _check_max_batch(max_batch, b.max_batch)
             if not prompt and not messages:
                 prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
@@ -574,6 +578,11 @@ def run_rank(**arguments) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _check_max_batch(max_batch: int | None, largest: int) -> None:
+    if max_batch is not None and max_batch > largest:
+        raise AotcError(f"--max-batch {max_batch}: the bundle's largest batch bucket is {largest}")
 
 
 def _launch_ranks(world_size: int, arguments: dict) -> None:

@@ -139,3 +139,33 @@ def test_sigterm_ends_the_launcher_and_its_ranks_and_leaves_nothing_in_the_temp_
     while list(temp.iterdir()) and time.monotonic() < end:  # the ranks remove their bundle copies as they end
         time.sleep(0.05)
     assert not list(temp.iterdir())
+
+
+@pytest.mark.parametrize("how", ["a tampered world_size under --expect-digest", "an argument error"])
+def test_the_launcher_checks_the_pin_and_the_arguments_before_any_rank_starts(tp_bundle, tmp_path, how):  # noqa: F811
+    """Exit 2, the error printed once, and no rank started: no log folder of the launcher's
+    and no rank's copy of the bundle in the temp folder."""
+    import json
+    import shutil
+
+    bundle, args = tp_bundle.out, ["--max-batch", "9"]
+    if how.startswith("a tampered"):
+        from aotc.format import read_manifest
+
+        pin = read_manifest(bundle).digest()
+        bundle = tmp_path / "b"
+        shutil.copytree(tp_bundle.out, bundle)
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        # A valid manifest of 4 ranks: only the pin can tell.
+        manifest["parallel"].update(world_size=4, tensor_parallel=4, groups=[{"name": "0", "ranks": [0, 1, 2, 3]}])
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        assert read_manifest(bundle).parallel.world_size == 4
+        args = ["--expect-digest", pin]
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "TMPDIR": str(temp)}
+    done = subprocess.run([sys.executable, "-m", "aotc", "run", str(bundle), "--prompt", "Hi", *args], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert ("expected " + pin if how.startswith("a tampered") else "--max-batch 9: the bundle's largest batch bucket is 4") in line, line
+    assert not list(temp.iterdir())

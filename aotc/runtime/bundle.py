@@ -62,17 +62,7 @@ class Bundle:
         t0 = time.perf_counter()
         path = Path(path)
         manifest = read_manifest(path)
-        if expect_digest is not None and manifest.digest() != expect_digest.strip().lower():
-            raise BundleError(
-                f"{path}: digest {manifest.digest()}, expected {expect_digest.strip()} (--expect-digest); "
-                "this is not the bundle you pinned. Rebuild it, or pin the new digest if you built it"
-            )
-        missing = [p for p in manifest.plugins if p not in plugins]
-        if missing:
-            raise BundleError(
-                f"{path} was built with the plugin {', '.join(missing)}; pass --plugin {' --plugin '.join(missing)} "
-                "to run it (aotc imports a module only when you name it)"
-            )
+        check_pin(path, manifest, expect_digest, plugins)
         load_plugins(manifest.plugins)
         pending = manifest.pending()
         if pending and load_artifacts:
@@ -244,6 +234,23 @@ class Bundle:
                     d.steps = {
                         c: {b: dataclasses.replace(s, run=wrap(s.run, (d.entry_id, c, b))) for b, s in steps.items()} for c, steps in d.steps.items()
                     }  # fmt: skip
+
+
+def check_pin(path: Path, manifest: Manifest, expect_digest: str | None, plugins: Sequence[str] = ()) -> None:
+    """The bundle is the one pinned (its digest is expect_digest, where given), and every
+    plugin it was built with is named: what is checked before anything of it runs (and
+    before `aotc run` starts a parallel bundle's ranks)."""
+    if expect_digest is not None and manifest.digest() != expect_digest.strip().lower():
+        raise BundleError(
+            f"{path}: digest {manifest.digest()}, expected {expect_digest.strip()} (--expect-digest); "
+            "this is not the bundle you pinned. Rebuild it, or pin the new digest if you built it"
+        )
+    missing = [p for p in manifest.plugins if p not in plugins]
+    if missing:
+        raise BundleError(
+            f"{path} was built with the plugin {', '.join(missing)}; pass --plugin {' --plugin '.join(missing)} "
+            "to run it (aotc imports a module only when you name it)"
+        )
 
 
 class DeviceAllocator:
