@@ -19,7 +19,7 @@ from aotc.models.base import load_model
 from aotc.runtime import Bundle
 
 from .test_expert_parallel import traced_at_ranks, v4_dir  # noqa: F401 (the fixture)
-from .test_parallel import PROMPTS, eager_tokens, run_json, simulated_neuron_build, torchrun
+from .test_parallel import PROMPTS, eager_tokens, run_json, served_eager_tokens, simulated_neuron_build, torchrun
 
 
 def dp_options(model_dir, out, backend="export", **more) -> BuildOptions:
@@ -224,20 +224,4 @@ def test_aotc_serve_spreads_8_concurrent_requests_over_the_ranks(dp_bundle, v4_d
     """aotc serve on the bundle, judged by the openai client in strict mode: 8 concurrent
     completions (4 at once on each rank) give the unsharded eager tokens, and SIGTERM
     drains through rank 0: status 0."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tokenizers import Tokenizer
-
-    from .test_serve import NAME, Served
-
-    s = Served(dp_bundle.out)
-    try:
-        asks = ["Hello, world!", "Once upon a time", "Hi", "The sea is", "Good morning", "Why?", "a b c d e f", "Count: 1 2 3"]
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: s.client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0), asks))
-        tokenizer = Tokenizer.from_file(str(v4_dir / "tokenizer.json"))
-        report = {"prompts": [{"prompt_ids": tokenizer.encode(p).ids} for p in asks]}
-        assert [g.choices[0].text for g in got] == [tokenizer.decode(ids) for ids in eager_tokens(v4_dir, report, 8)]
-        assert s.stop() == 0, s.proc.stderr.read()[-3000:]
-    finally:
-        s.stop()
+    served_eager_tokens(dp_bundle.out, v4_dir, ["Hello, world!", "Once upon a time", "Hi", "The sea is", "Good morning", "Why?", "a b c d e f", "Count: 1 2 3"])

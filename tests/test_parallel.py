@@ -511,27 +511,34 @@ def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_wi
     assert got["seeded"] == sampled.sequences[0].new_ids and got["unseeded"] >= 1
 
 
-def test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_them(tp_bundle, tiny_dir):
-    """aotc serve on a TP=2 bundle: 4 concurrent requests give the unsharded eager tokens;
-    SIGTERM drains through rank 0 and every rank ends, status 0. Another launch whose rank
-    1 is killed ends within 10 s, status 1, naming the rank."""
+def served_eager_tokens(bundle: Path, model_dir: Path, asks: list[str]) -> None:
+    """aotc serve on `bundle`: the asks as concurrent completions through the openai client
+    in strict mode give the unsharded eager tokens; SIGTERM drains, status 0."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tokenizers import Tokenizer
 
     from .test_serve import NAME, Served
 
-    s = Served(tp_bundle.out)
+    s = Served(bundle)
     try:
-        asks = ["Hello, world!", "Once upon a time", "Hi", "The sea is"]
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(len(asks)) as pool:
             got = list(pool.map(lambda p: s.client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0), asks))
-        tokenizer = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         report = {"prompts": [{"prompt_ids": tokenizer.encode(p).ids} for p in asks]}
-        assert [g.choices[0].text for g in got] == [tokenizer.decode(ids) for ids in eager_tokens(tiny_dir, report, 8)]
+        assert [g.choices[0].text for g in got] == [tokenizer.decode(ids) for ids in eager_tokens(model_dir, report, 8)]
         assert s.stop() == 0, s.proc.stderr.read()[-3000:]
     finally:
         s.stop()
+
+
+def test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_them(tp_bundle, tiny_dir):
+    """aotc serve on a TP=2 bundle: 4 concurrent requests give the unsharded eager tokens;
+    SIGTERM drains through rank 0 and every rank ends, status 0. Another launch whose rank
+    1 is killed ends within 10 s, status 1, naming the rank."""
+    from .test_serve import Served
+
+    served_eager_tokens(tp_bundle.out, tiny_dir, ["Hello, world!", "Once upon a time", "Hi", "The sea is"])
     s = Served(tp_bundle.out)
     try:
         assert s.http.get("/health").status_code == 200

@@ -15,7 +15,7 @@ import pytest
 from aotc import parallel
 from aotc.errors import AotcError
 
-from .test_parallel import aotc, parallel_port, tp_bundle, tp_options  # noqa: F401 (the fixture)
+from .test_parallel import aotc, parallel_port, tp_bundle  # noqa: F401 (the fixture)
 
 DEADLINE = "2"  # s: AOTC_RANK_TIMEOUT in these tests
 
