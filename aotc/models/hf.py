@@ -115,6 +115,7 @@ class TransformersConfig(ModelConfig):
         architecture = next((n for n in names if isinstance(n, str) and n.endswith(("ForCausalLM", "LMHeadModel"))), None)
         if architecture is None:
             raise ConfigError(f"{cfg.source}: field 'architectures' is {names!r}; aotc's generic path runs a causal LM ({default} for {model_type})")
+        _check_fields(cfg)
         hf = {k: v for k, v in cfg.config.items() if k not in _NOT_COMPARED}
         hf_config = _hf_config(model_type, hf, str(cfg.source))
         if getattr(type(hf_config), "is_encoder_decoder", False) is True:  # the family's default, not this config's
@@ -137,6 +138,33 @@ class TransformersConfig(ModelConfig):
         )
 
 
+# Fields most decoder configs share, checked as aotc's own families check them, where the
+# config has them: transformers accepts a negative rope base, a NaN epsilon or a window of 0
+# and builds a model that computes nonsense.
+_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "vocab_size", "max_position_embeddings")
+_SCALES = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def _check_fields(cfg: ConfigReader) -> None:
+    for key in _COUNTS:
+        cfg.positive(key, None)
+    for key in _SCALES:
+        cfg.positive_number(key, None)
+    if cfg.config.get("sliding_window") is not None:
+        cfg.positive("sliding_window")
+    act = cfg.config.get("hidden_act")
+    if act is not None:
+        from transformers.activations import ACT2FN
+
+        if not isinstance(act, str) or act not in ACT2FN:
+            raise ConfigError(f"{cfg.source}: field 'hidden_act' is {act!r}; expected one of transformers' activations ({', '.join(sorted(ACT2FN))})")
+    kinds = cfg.config.get("layer_types")
+    if kinds is not None:
+        layers = cfg.positive("num_hidden_layers")
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds) or len(kinds) != layers:
+            raise ConfigError(f"{cfg.source}: field 'layer_types' is {kinds!r}; expected a list of one layer kind (a string) per layer, num_hidden_layers {layers}")
+
+
 def _check_layer_kinds(hf_config, source) -> None:
     """Refuse, from the config alone, layers that are no attention with a KV cache of their own."""
     for i, kind in enumerate(getattr(hf_config, "layer_types", None) or ()):
@@ -157,12 +185,14 @@ def _check_layer_kinds(hf_config, source) -> None:
 
 
 def _hf_config(model_type: str, fields: dict, source: str):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers.models.auto.configuration_auto import AutoConfig
 
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if k != "model_type"})
-    except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"{source}: transformers refuses this config ({type(e).__name__}: {e}); fix the field it names") from None
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:  # the last: a config class's own validation
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{source}: transformers refuses this config ({type(e).__name__}: {first}); fix the field it names") from None
     config._attn_implementation = ATTENTION
     config._experts_implementation = EXPERTS  # read by experts classes that use transformers' ExpertsInterface
     return config

@@ -90,6 +90,8 @@ PRIVATE = (
     Private("transformers.models.auto.configuration_auto", "model_type_to_module_name", "imports one model's modeling module "
             "by its path (hf._model_class): the public `transformers.<Name>` indexes every model first, about 1.4 s of a cold start",
             "transformers' lazy top-level import costs no more than one module's import"),
+    Private("transformers.activations", "ACT2FN", "the activation names a config's hidden_act may take, checked before a model "
+            "is built (hf._check_fields)", "transformers validates hidden_act in its config classes"),
 )  # fmt: skip
 
 
