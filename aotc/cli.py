@@ -441,7 +441,8 @@ def run(
     the token limit before a stop token, and say so where the model answers with a stop
     token at once without --chat in a folder that has a chat template. A parallel bundle
     (--tensor-parallel) runs as that many local ranks, started and watched here, or as
-    the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints."""
+    the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints. Every wait on
+    other ranks lasts at most AOTC_RANK_TIMEOUT seconds (default 60)."""
     from .models.base import load_model, memory_shortfall
     from .models.generation import generation_defaults
     from .models.hub import resolve_model

@@ -324,19 +324,23 @@ def _covers(buckets: tuple[int, ...]) -> dict[int, list[int]]:
     return {r: calls for r, (_, _, calls) in best.items()}
 
 
+def step_memos(model: torch.nn.Module) -> list[StepMemo]:
+    """The StepMemos of a bound model's dispatchers (none for an eager model)."""
+    return list({id(d.memo): d.memo for m in model.modules() for d in vars(m).values() if isinstance(d, Dispatcher)}.values())
+
+
 @contextlib.contextmanager
-def context_floor(model: torch.nn.Module, reach: int) -> Iterator[None]:
-    """Within it, every entry of the bound model that has context buckets runs at one that
-    holds `reach` positions at least, whatever its rows' positions: ranks in lockstep run
-    the same graph, though each rank's own rows reach other positions. An eager model
-    reads its whole caches: nothing to do."""
-    memos = {id(d.memo): d.memo for m in model.modules() for d in vars(m).values() if isinstance(d, Dispatcher)}
-    for memo in memos.values():
+def context_floor(memos: list[StepMemo], reach: int) -> Iterator[None]:
+    """Within it, every entry of the bound model whose `memos` (step_memos) these are, that
+    has context buckets, runs at one that holds `reach` positions at least, whatever its
+    rows' positions: ranks in lockstep run the same graph, though each rank's own rows
+    reach other positions. An eager model reads its whole caches: nothing to do."""
+    for memo in memos:
         memo.reach = reach
     try:
         yield
     finally:
-        for memo in memos.values():
+        for memo in memos:
             memo.reach = 0
 
 

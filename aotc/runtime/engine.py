@@ -50,7 +50,7 @@ import torch
 from ..errors import AotcError
 from ..models.base import CausalLM
 from ..parallel import data_parallel, settled
-from .dispatch import context_floor
+from .dispatch import context_floor, step_memos
 from .sampling import Choice, Sampler, SamplingParams
 
 GREEDY = SamplingParams()
@@ -118,6 +118,7 @@ class Engine:
         # Data-parallel ranks: this rank, and how many share out the requests.
         self.rank, self.ranks = (model.config.rank, layout.world_size) if data_parallel(layout) else (0, 1)
         self.capacity = self.max_batch * self.ranks  # requests holding a slot at once
+        self._memos = step_memos(model) if self.ranks > 1 else []  # found once, not per step
         self.free = list(range(self.capacity))  # each rank's scratch slot (slots - 1) is never handed out
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []  # in the order they took their slots
@@ -298,7 +299,7 @@ class Engine:
             ids = torch.tensor([owner[s].new_ids[-1] if s in owner else 0 for s in range(rows)], device=self.device)
             positions = torch.tensor([owner[s].position if s in owner else filling.get(s, 0) for s in range(rows)], device=self.device)
             self.stats.idle_calls += not decoding[mine]
-            with context_floor(self.model, max(r.position for r in self.decoding) + 1):
+            with context_floor(self._memos, max(r.position for r in self.decoding) + 1):
                 # A copy: on a resident device the prefill below may run the head's graph again.
                 out.append(self.model.decode(ids, positions, self.caches).to(torch.float32, copy=True))  # [rows, vocab]
             self.stats.decode_s += time.perf_counter() - t0
@@ -323,20 +324,19 @@ class Engine:
         every = self._gather(mine_rows if full else mine_rows.argmax(dim=-1))  # [ranks, rows + (1 if chunk)]
         self.stats.exchange_s += time.perf_counter() - t0
 
-        def of(requests, at):  # each request's row of every rank's rows
-            picked = [every[r.slot // mb, at(r)] for r in requests]
-            return torch.stack(picked) if picked else None
+        def take(requests, at):  # each request's row of every rank's rows: its logits, or its token
+            picked = torch.stack([every[r.slot // mb, at(r)] for r in requests])
+            self._take(requests, picked, None) if full else self._take(requests, None, picked)
 
         if rows:
-            flat = [r for d in decoding for r in d]  # in global slot order, as self.decoding
-            self._take(flat, *((of(flat, lambda r: r.slot % mb), None) if full else (None, of(flat, lambda r: r.slot % mb))))
+            take([r for d in decoding for r in d], lambda r: r.slot % mb)  # in global slot order, as self.decoding
         for p in pieces:
             if p is not None:
                 request, start, n = p
                 request.prefilled = start + n
                 self.stats.prefill_tokens += n
         if ending:
-            self._take(ending, *((of(ending, lambda r: rows), None) if full else (None, of(ending, lambda r: rows))))
+            take(ending, lambda r: rows)  # the prefill row follows the decode rows
             self.prefilling = [r for r in self.prefilling if r not in ending]
             self.free = sorted(self.free + [r.slot for r in ending if r.done])  # its first token ended it
             started = [r for r in ending if not r.done]
