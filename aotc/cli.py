@@ -450,10 +450,11 @@ def run(
     from .format import read_manifest
     from .parallel import joined_rank
     from .runtime import generate
+    from .models.config import model_file, read_json_object
     from .runtime.bundle import check_pin
     from .runtime.generate import check_lengths
     from .runtime.sampling import SamplingError, SamplingParams
-    from .runtime.session import Session, completions, token_events
+    from .runtime.session import Session, bundle_model, completions, token_events
 
     session = None
     try:
@@ -478,24 +479,16 @@ def run(
                 # Checked here, once, before any rank starts: the pin, and the arguments.
                 check_pin(Path(path), manifest, expect_digest, plugin)
                 _check_max_batch(max_batch, max(manifest.shapes.batch))
+                model_dir = bundle_model(manifest, model, revision)
+                defaults = generation_defaults(model_dir, read_json_object(model_file(model_dir, "config.json")))
+                prompts = _run_prompts(_tokenizer(model_dir), model_dir, prompt, messages, chat)[1]
+                _fit_bundle(prompts, max_new_tokens or defaults.max_new_tokens, manifest.shapes.max_seq, smoke=not prompt and not messages)
                 return _launch_ranks(layout.world_size, _rank_arguments(locals()))
             session = Session.open(path, model, revision=revision, threads=threads, expect_digest=expect_digest, plugins=plugin)
             model_dir, defaults = session.model_dir, session.defaults
         new_tokens = max_new_tokens or defaults.max_new_tokens
         tokenizer = (session and session.tokenizer) or _tokenizer(model_dir)  # none: the command's own message
-        asked = prompt or ([] if messages else list(DEFAULT_PROMPTS))
-        texts = asked
-        if chat:
-            from .chat import render_user_turn
-
-            texts = [render_user_turn(model_dir, t) for t in asked]
-        prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
-        if messages:
-            from .chat import read_messages, render_messages
-
-            conversations = [read_messages(m) for m in messages]
-            asked = asked + [c[-1]["content"] for c in conversations]  # shown as its last message
-            prompts += _encode(tokenizer, [render_messages(model_dir, c) for c in conversations], special=False)
+        asked, prompts = _run_prompts(tokenizer, model_dir, prompt, messages, chat)
         notes = []
         if session is None:
             # The bundle path's checks, for eager: the model's positions, and memory for the caches.
@@ -509,11 +502,9 @@ def run(
             if short:
                 raise AotcError(f"aotc run --eager: {short}. Shorten the prompts, lower --max-new-tokens or --max-batch")
         else:
-            b = session.bundle
-            max_seq = b.max_seq
-            _check_max_batch(max_batch, b.max_batch)
-            if not prompt and not messages:
-                prompts, notes = _fit_smoke_prompts(prompts, new_tokens, max_seq)
+            max_seq = session.bundle.max_seq
+            _check_max_batch(max_batch, session.bundle.max_batch)
+            prompts, notes = _fit_bundle(prompts, new_tokens, max_seq, smoke=not prompt and not messages)
         check_lengths(prompts, new_tokens, max_seq)  # before anything streams
         rank = 0 if session is None else session.rank
         stream = None if as_json or rank != 0 else _Stream(asked, prompts, notes)
@@ -623,17 +614,44 @@ def _endings(done, defaults, new_tokens: int, asked_new: int | None, model_dir: 
     return notes
 
 
-def _fit_smoke_prompts(prompts: list[list[int]], new_tokens: int, max_seq: int) -> tuple[list[list[int]], list[str]]:
-    """The default prompts, each cut to what fits the bundle's cache with the new tokens."""
-    room = max_seq - new_tokens
-    if room < 1:
-        raise AotcError(f"--max-new-tokens {new_tokens}: the bundle's max_seq is {max_seq}; generate at most {max_seq - 1} tokens")
-    notes = [
-        f"smoke prompt {i} cut from {len(p)} to {room} tokens to fit the bundle's max_seq {max_seq} with {new_tokens} new tokens"
-        for i, p in enumerate(prompts)
-        if len(p) > room
-    ]
-    return [p[:room] for p in prompts], notes
+def _run_prompts(tokenizer, model_dir: Path, prompt: list[str], messages: list[Path], chat: bool) -> tuple[list[str], list[list[int]]]:
+    """aotc run's prompts, as shown (a conversation as its last message) and as token ids:
+    --prompt texts (through the chat template with --chat), then --messages conversations;
+    neither: the smoke prompts."""
+    asked = prompt or ([] if messages else list(DEFAULT_PROMPTS))
+    texts = asked
+    if chat:
+        from .chat import render_user_turn
+
+        texts = [render_user_turn(model_dir, t) for t in asked]
+    prompts = _encode(tokenizer, texts, special=not chat)  # a chat template writes its own bos
+    if messages:
+        from .chat import read_messages, render_messages
+
+        conversations = [read_messages(m) for m in messages]
+        asked = asked + [c[-1]["content"] for c in conversations]  # shown as its last message
+        prompts += _encode(tokenizer, [render_messages(model_dir, c) for c in conversations], special=False)
+    return asked, prompts
+
+
+def _fit_bundle(prompts: list[list[int]], new_tokens: int, max_seq: int, smoke: bool) -> tuple[list[list[int]], list[str]]:
+    """The prompts checked against the bundle's cache with the new tokens, the smoke
+    prompts each cut to what fits it; with notes on the cuts."""
+    from .runtime.generate import check_lengths
+
+    notes = []
+    if smoke:
+        room = max_seq - new_tokens
+        if room < 1:
+            raise AotcError(f"--max-new-tokens {new_tokens}: the bundle's max_seq is {max_seq}; generate at most {max_seq - 1} tokens")
+        notes = [
+            f"smoke prompt {i} cut from {len(p)} to {room} tokens to fit the bundle's max_seq {max_seq} with {new_tokens} new tokens"
+            for i, p in enumerate(prompts)
+            if len(p) > room
+        ]
+        prompts = [p[:room] for p in prompts]
+    check_lengths(prompts, new_tokens, max_seq)
+    return prompts, notes
 
 
 class _Stream:

@@ -22,11 +22,15 @@ import contextlib
 import datetime
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 from typing import Iterator
 
 import torch
 
+from . import quiet
 from .errors import AotcError
 from .format import GroupRecord, ParallelRecord, ShardSpec
 
@@ -318,16 +322,41 @@ def join(layout: ParallelRecord, rank: int, device: str) -> None:
         backend = "nccl"
     timeout = rank_timeout()
     try:
-        dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=timeout)
+        with _cpp_log_held():
+            dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=timeout)
     except (RuntimeError, OSError, ValueError) as e:  # torch's store and rendezvous errors (DistError is a RuntimeError)
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         raise AotcError(
             f"rank {rank} of {layout.world_size} could not meet the other ranks at {where} within {timeout.total_seconds():g} s "
             f"({TIMEOUT_ENV}): {first}. Start every rank of the launch, each with its own RANK, and MASTER_ADDR:MASTER_PORT "
             "where rank 0 can listen and the others reach it"
         ) from None
     check_groups(layout)
+
+
+@contextlib.contextmanager
+def _cpp_log_held():
+    """Hold what is written to file descriptor 2 meanwhile (torch's C++ log of the store's
+    retries, each with a C++ stack, which no Python setting silences once torch is
+    imported): given back if the body succeeds, dropped if it raises, since the error
+    then says it in one line; `aotc --verbose` gives it back either way."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    held = tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        with held:
+            if ok or os.environ.get(quiet.VERBOSE_ENV) == "1":
+                held.seek(0)
+                with open(2, "wb", closefd=False) as err:
+                    shutil.copyfileobj(held, err)
 
 
 SETTLE_LIMIT = 10.0  # seconds

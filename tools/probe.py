@@ -578,14 +578,15 @@ ROUND_TWO = [
 TP2 = ("--tensor-parallel", "2")
 
 
-def launched(env: dict, words: str, ranks: int = 1) -> Callable[["Probe", Path], str]:
-    """`aotc run` on a TP=2 bundle as torchrun-style ranks with `env` (a deadline of 2 s):
-    refused when every one exits 2 naming `words` within the deadline and start-up."""
+def launched(env: dict, words: str, ranks: int = 1, args: tuple = ("--prompt", "hi")) -> Callable[["Probe", Path], str]:
+    """`aotc run` on a TP=2 bundle as torchrun-style ranks with `env` (a deadline of 2 s;
+    RANK and WORLD_SIZE None: aotc run's own launcher): refused when every one exits 2
+    naming `words` within the deadline and start-up."""
 
     def run(p: Probe, ws: Path) -> str:
         b = p.bundle("export", *TP2)
         base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "AOTC_RANK_TIMEOUT": "2"}
-        command = [sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), "--prompt", "hi"]
+        command = [sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), *args]
         full = {**p.env, **base, **env}
         procs = [subprocess.Popen(command, env={k: v for k, v in full.items() if v is not None}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(ranks)]
         outcomes = []
@@ -646,6 +647,7 @@ RANKS = [
     Case("ranks", "two RANK=0", launched({"RANK": "0"}, "could not meet the other ranks", ranks=2)),
     Case("ranks", "an unreachable MASTER_ADDR", launched({"RANK": "1", "MASTER_ADDR": "192.0.2.1"}, "could not meet the other ranks")),
     Case("ranks", "SIGTERM to the launcher", launcher_sigterm),
+    Case("ranks", "a prompt longer than the cache, to the launcher", launched({"RANK": None, "WORLD_SIZE": None}, "more than the cache holds", args=("--prompt", "hi " * 400))),
 ]
 
 CASES = TRUST + NOTHING_LOST + ROUND_TWO + RANKS

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, Union
 
 from ..errors import AotcError
+from ..format import Manifest
 from .bundle import Bundle
 from .check import CheckReport, check_generation
 from .generate import Generation, check_lengths, generate
@@ -115,7 +116,7 @@ class Session:
         t0 = time.perf_counter()
         b = Bundle.load(bundle, plugins=list(plugins), expect_digest=expect_digest)
         rank, world, threads = _join(b, threads)
-        model_dir = bundle_model(b, None if model is None else str(model), revision)
+        model_dir = bundle_model(b.manifest, None if model is None else str(model), revision)
         if not model_dir.is_dir():
             whose = "model=" if model is not None else f"the folder the bundle {b.dir} was built from, and it is gone"
             raise AotcError(
@@ -481,7 +482,7 @@ def read_tokenizer(model_dir: Path):
         raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
 
 
-def bundle_model(b: Bundle, model: str | None, revision: str | None) -> Path:
+def bundle_model(manifest: Manifest, model: str | None, revision: str | None) -> Path:
     """The weights for a bundle: `model`, else the folder it was built from, else the Hub
     snapshot it was built from (the same commit) on this machine."""
     from ..models.hub import resolve_model
@@ -490,7 +491,7 @@ def bundle_model(b: Bundle, model: str | None, revision: str | None) -> Path:
         return resolve_model(model, revision)[0]
     if revision is not None:
         raise AotcError("--revision applies to --model ORG/NAME; the bundle's own model is the commit it was built from")
-    source, hub = Path(b.manifest.model.source), b.manifest.model.hub
+    source, hub = Path(manifest.model.source), manifest.model.hub
     if hub is not None and not source.is_dir():
         return resolve_model(hub.repo_id, hub.commit)[0]
     return source
