@@ -79,11 +79,14 @@ def _fail(e: AotcError) -> None:
 PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture or a backend (repeatable); see docs/models.md, Bring your own model.")
 
 
+MAX_TINY_LAYERS = 256  # more than any released model has; a test model with more only fills the disk
+
+
 @init_app.command("tiny")
 def init_tiny(
     out: Path = typer.Argument(..., help="Folder to write: new or empty (with --force, replaced)."),
     arch: str = typer.Option("llama", "--arch", help="llama | qwen2 | mistral | deepseek_v4 (or an architecture a --plugin registers)."),
-    layers: int = typer.Option(4, "--layers", min=1, help="Number of decoder layers."),
+    layers: int = typer.Option(4, "--layers", min=1, max=MAX_TINY_LAYERS, help=f"Number of decoder layers (at most {MAX_TINY_LAYERS})."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
     force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds files."),

@@ -54,6 +54,8 @@ import os
 import re
 import shutil
 import tempfile
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Literal
@@ -473,22 +475,15 @@ def check_replaceable(out: Path, option: str = "-o") -> None:
 
 
 @contextlib.contextmanager
-def bundle_writer(out: Path, locks: Path | None = None) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; on success it replaces `out`.
-
-    The caller writes artifacts and the manifest into the yielded folder. If
-    anything fails, the temporary folder is removed and `out` is untouched, so
-    a bundle on disk is always complete. `out` must be replaceable
-    (check_replaceable). Writers to one `out` take turns, so what a killed writer left
-    (`.NAME.tmp-*`, `.NAME.old-*`) is removed by the next. Their lock file is in `locks`
-    (the compile cache's locks/ folder), named after out's resolved path: filelock never
-    deletes a lock file (deleting one after its release races), and one beside `out`
-    would stay among the user's bundles. Where `locks` cannot be made (a read-only
-    cache), or is None, the lock is beside `out`."""
+def writers_turn(out: Path, locks: Path | None) -> Iterator[None]:
+    """This process's turn to write `out` (a bundle, a quantized model folder), under
+    a temporary name beside it: what a killed writer left (`.NAME.tmp-*`, `.NAME.old-*`)
+    is removed first. The lock file is in `locks` (the compile cache's locks/ folder),
+    named after out's resolved path: filelock never deletes a lock file (deleting one
+    after its release races), and one beside `out` would stay among the user's folders.
+    Where `locks` cannot be made (a read-only cache), or is None, the lock is beside `out`."""
     from filelock import FileLock
 
-    out = Path(out)
-    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = out.parent / f".{out.name}.lock"
     if locks is not None:
@@ -501,6 +496,20 @@ def bundle_writer(out: Path, locks: Path | None = None) -> Iterator[Path]:
         for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
+        yield
+
+
+@contextlib.contextmanager
+def bundle_writer(out: Path, locks: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; on success it replaces `out`.
+
+    The caller writes artifacts and the manifest into the yielded folder. If
+    anything fails, the temporary folder is removed and `out` is untouched, so
+    a bundle on disk is always complete. `out` must be replaceable
+    (check_replaceable). Writers to one `out` take turns (writers_turn)."""
+    out = Path(out)
+    check_replaceable(out)
+    with writers_turn(out, locks):
         tmp = temp_folder(f".{out.name}.tmp-", out.parent)
         try:
             yield tmp
@@ -558,6 +567,27 @@ def read_manifest(bundle: Path | str) -> Manifest:
     return manifest
 
 
+def unknown_field(obj, record_type, where: str = "") -> str | None:
+    """Where JSON `obj` (already decoded as `record_type`) has a key that no record field
+    names ("entries[0].weights[1].foo"), else None; the decoder itself skips such keys."""
+    origin, args = typing.get_origin(record_type), typing.get_args(record_type)
+    if dataclasses.is_dataclass(record_type) and isinstance(obj, dict):
+        hints = typing.get_type_hints(record_type)
+        names = {f.name for f in dataclasses.fields(record_type)}
+        extra = next((k for k in obj if k not in names), None)
+        if extra is not None:
+            return f"{where}.{extra}".lstrip(".")
+        return next((u for k, v in obj.items() if (u := unknown_field(v, hints[k], f"{where}.{k}"))), None)
+    if origin in (list, tuple) and isinstance(obj, list) and args:
+        return next((u for i, v in enumerate(obj) if (u := unknown_field(v, args[0], f"{where}[{i}]"))), None)
+    if origin is dict and isinstance(obj, dict) and len(args) == 2:
+        return next((u for k, v in obj.items() if (u := unknown_field(v, args[1], f"{where}[{k!r}]"))), None)
+    kinds = [a for a in args if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(kinds) == 1:  # X | None
+        return unknown_field(obj, kinds[0], where)
+    return None
+
+
 def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleError) -> Manifest:
     """Decode and validate a manifest's JSON: format version, every field's type, backend records."""
     head = decode(data, Any, source, error)
@@ -571,6 +601,15 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         )
     manifest = decode(data, Manifest, source, error)
     kind = _artifact_kind(manifest, source, error)
+    unknown = unknown_field(head, Manifest) or next(
+        (u for i, e in enumerate(head["entries"]) for j, a in enumerate(e["artifacts"]) if (u := unknown_field(a["extra"], kind.extra_type, f"entries[{i}].artifacts[{j}].extra"))),
+        None,
+    )  # fmt: skip
+    if unknown:
+        raise error(
+            f"{source}: {unknown}: no such field in format {FORMAT_VERSION}, which this aotc writes and reads; "
+            "the manifest was altered or written by another tool. Rebuild the bundle (aotc build)"
+        )
     bad = _refusal(source, error)
     _check_shapes(manifest, bad)
     _check_parallel(manifest, bad)

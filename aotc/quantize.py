@@ -37,7 +37,8 @@ from torch import nn
 
 from . import quant
 from .errors import ConfigError, WeightsError
-from .format import temp_folder, umask
+from .cache.local import writer_locks
+from .format import temp_folder, umask, writers_turn
 from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
 from .models.config import read_config
@@ -85,6 +86,13 @@ def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "k
     model = load_model(source, weights=False).model  # checks every header against config.json
     plan = _plan(model, checkpoint, fmt, head)
     result = Quantized(out, fmt, head=plan.head_words)
+    with writers_turn(out, writer_locks(None)):  # what a killed quantize left beside `out` is removed first
+        _write(checkpoint, plan, source, out, config, fmt, result)
+    return result
+
+
+def _write(checkpoint: Checkpoint, plan: "_Plan", source: Path, out: Path, config: dict, fmt: str, result: Quantized) -> None:
+    """The quantized folder, written under a temporary name beside `out`, then renamed."""
     tmp = temp_folder(f".{out.name}.tmp-", out.parent)
     try:
         weight_map = _write_shards(checkpoint, plan, tmp, result)
@@ -102,13 +110,18 @@ def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "k
         if (source / INDEX).is_file():
             total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (_check_paths): replaced by the finished folder
-        os.replace(tmp, out)
+        try:
+            if out.exists():
+                out.rmdir()  # empty (_check_paths): replaced by the finished folder
+            os.replace(tmp, out)
+        except OSError as e:  # not the disk: `out` changed while the weights were written
+            raise ConfigError(
+                f"-o {out}: the finished folder could not take its place ({e.strerror}): something was written there "
+                "while aotc quantize ran. Nothing was left half-written; choose another path, or empty it, and run again"
+            ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return result
 
 
 def _check_paths(source: Path, out: Path) -> None:

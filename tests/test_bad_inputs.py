@@ -153,6 +153,15 @@ CASES = [
     Case("init-fp4-on-llama", "cli", lambda e: ["init", "tiny", e.root / "n", "--quantize", "fp4-experts"], "has no routed experts"),
     Case("init-set-no-equals", "cli", lambda e: ["init", "tiny", e.root / "n", "--set", "hidden_size"], "--set"),
     Case("init-layers-zero", "cli", lambda e: ["init", "tiny", e.root / "n", "--layers", "0"], "--layers"),
+    Case("init-layers-a-million", "cli", lambda e: ["init", "tiny", e.root / "n", "--layers", "1000000"], "Invalid value for '--layers': Input should be less than or equal to 256"),
+    *[Case(f"prune-size-strict-{v[:8]!r}", "cli", lambda e, v=v: ["cache", "prune", "--max-size", v, "--cache-dir", e.cache], w) for v, w in (
+        ("5Ki", "--max-size '5Ki': expected a size such as 500M"), ("5 G", "--max-size '5 G': expected a size"), ("1e3", "--max-size '1e3'"),
+        ("9" * 400, "--max-size 999999999999...(400 characters): more than any disk holds"),
+    )],  # fmt: skip
+    Case("prefill-chunk-above-max-seq", "cli", lambda e: build(e, "--prefill-chunk", "16,128"), "--prefill-chunk 16,128: 128 is more than --max-seq 64; a chunk's tokens all go into the cache"),
+    Case("max-seq-above-the-models-positions", "cli", lambda e: build(config(e, max_position_embeddings=32)), "config.json's max_position_embeddings is 32, where the model's positions end"),
+    Case("jobs-a-million", "cli", lambda e: build(e, "--jobs", "1000000"), "--jobs 1000000: expected 1 to"),
+    Case("run-eos-beyond-the-vocabulary", "model", lambda e: run(write_generation(e, eos_token_id=10**9)), "field 'eos_token_id' is 1000000000; token 1000000000 is beyond the vocabulary (config.json's vocab_size is 512)"),
     Case("bisect-export-bundle", "cli", lambda e: ["bisect", e.bundle, "--entry", "LMHead.forward", "--bucket", "1"], "export bundle"),
     Case("output-is-the-model", "cli", lambda e: [*BUILD[:1], e.model, *BUILD[1:], "-o", e.model], "would replace the model folder"),
     Case("output-inside-the-model", "cli", lambda e: [*BUILD[:1], e.model, *BUILD[1:], "-o", e.model / "b"], "would replace the model folder"),
@@ -271,6 +280,12 @@ CASES = [
     Case("context-not-a-bucket", "bundle", lambda e: run(manifest(e, lambda m: _decode(m)["artifacts"][0]["dims"].update(context=32))), "(bucket, context) pairs [(1, 32)], but shapes.batch is [1] and shapes.context is [64]"),
     Case("context-arg-dropped", "bundle", lambda e: run(manifest(e, lambda m: _decode(m).update(context_arg=None))), "expected {'batch': 1} (entries[0].context_arg is None), got {'batch': 1, 'context': 64}"),
     Case("cache-slots-edited", "bundle", lambda e: run(manifest(e, lambda m: m["shapes"].update(cache_slots="two"))), "cache_slots"),
+    *[Case(f"manifest-unknown-field-{where}", "bundle", lambda e, edit=edit: run(manifest(e, edit)), f"{where}: no such field in format") for where, edit in (
+        ("surprise", lambda m: m.update(surprise=1)), ("parallel.surprise", lambda m: m["parallel"].update(surprise=1)),
+        ("entries[0].weights[0].surprise", lambda m: m["entries"][0]["weights"][0].update(surprise=1)),
+        ("entries[0].artifacts[0].extra.surprise", lambda m: m["entries"][0]["artifacts"][0]["extra"].update(surprise=1)),
+    )],  # fmt: skip
+    Case("backend-flags-a-list", "bundle", lambda e: run(manifest(e, lambda m: m["backend"].update(flags=[1, 2]))), "backend.flags: expected object, got array"),
     # -- cache -----------------------------------------------------------------------------
     Case("cache-ls-on-a-file", "cache", lambda e: ["cache", "ls", "--cache-dir", write(e.root / "c", "x")], "is a file, not a cache folder"),
     Case("cache-prune-on-a-file", "cache", lambda e: ["cache", "prune", "--max-size", "0", "--cache-dir", write(e.root / "c", "x")], "is a file, not a cache folder"),

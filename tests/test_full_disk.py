@@ -84,3 +84,13 @@ def test_writing_under_a_read_only_file_system(read_only, tiny_dir, command):
     r = aotc(*args)
     assert r.returncode == 2, said(r)
     assert "Read-only file system; the file system is read-only: write elsewhere" in said(r) and "Traceback" not in said(r)
+
+
+def test_a_run_with_a_full_temp_folder(small, tiny_bundle):
+    """Bundle.load's checked copy of the artifacts does not fit: exit 2 naming the temp
+    folder and the fix, and nothing left in it."""
+    r = subprocess.run([sys.executable, "-m", "aotc.cli", "run", str(tiny_bundle.out), "--prompt", "hi"], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "300", "TMPDIR": str(small)})  # fmt: skip
+    assert r.returncode == 2, said(r)
+    assert f"{small} (the temp folder, $TMPDIR): No space left on device; free space there, or set TMPDIR to another folder" in said(r) and "Traceback" not in said(r)
+    assert list(small.iterdir()) == []

@@ -357,3 +357,11 @@ def test_the_recorded_extensions_include_those_named_differently(monkeypatch):
     finally:
         inductor.gcc_isa.cache_clear()
     assert set(isa) == {"bmi1", "pni", "avx2", "fma"}
+
+
+def test_a_killed_run_leaves_nothing_in_the_temp_folder(inductor_bundles, tmp_path):
+    """aotc unpacks each checked package itself and removes it once loaded: neither its copy
+    nor torch's own extraction (aotinductor_*) is left by a run killed with SIGKILL."""
+    from .test_temp_folder import assert_a_killed_run_leaves_nothing
+
+    assert_a_killed_run_leaves_nothing(inductor_bundles[0].out, tmp_path)

@@ -290,3 +290,32 @@ def test_a_bad_config_a_nan_weight_a_full_disk_and_sigterm_leave_nothing_and_say
     done = subprocess.run([sys.executable, "-c", stop, "quantize", str(source), "-o", str(out / "q")], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.returncode != -signal.SIGTERM, done.stderr[-2000:]
     assert list(out.iterdir()) == []
+
+
+def test_what_a_killed_quantize_left_is_swept_and_a_destination_changed_meanwhile_is_said(tmp_path, monkeypatch):
+    """A SIGKILL mid-write leaves `.q.tmp-*` beside the destination: the next quantize to it
+    removes it. A destination that someone fills while the weights are written is no disk
+    error: the message says what happened, and the temporary folder goes."""
+    import aotc.quantize as quantize
+
+    source = write_tiny(tmp_path / "src", layers=1)
+    out = tmp_path / "out"
+    left = out / ".q.tmp-x1y2z3"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"half")
+    mine = out / ".q.tmp-notes.txt"  # a file of the same name pattern: not a folder aotc made
+    mine.write_text("mine")
+    quantize_model(source, out / "q", "fp8")
+    assert sorted(p.name for p in out.iterdir()) == [".q.tmp-notes.txt", "q"]
+
+    (out / "r").mkdir()
+    copy = quantize._copy_files
+
+    def and_someone_writes(src, tmp):
+        copy(src, tmp)
+        (out / "r" / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(quantize, "_copy_files", and_someone_writes)
+    with pytest.raises(ConfigError, match=r"-o .*/r: the finished folder could not take its place \(Directory not empty\): something was written there while aotc quantize ran"):
+        quantize_model(source, out / "r", "fp8")
+    assert sorted(p.name for p in out.iterdir()) == [".q.tmp-notes.txt", "q", "r"] and [p.name for p in (out / "r").iterdir()] == ["theirs.txt"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import json
 import os
 import shutil
@@ -616,14 +617,12 @@ def launcher_sigterm(p: Probe, ws: Path) -> str:
     b = p.bundle("export", *TP2)
     temp = ws / "tmp"
     temp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), "--prompt", "hi", "--max-new-tokens", "60"],
+    proc = subprocess.Popen([sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), "--prompt", "hi", "--max-new-tokens", "120"],
                             env={**p.env, "TMPDIR": str(temp)}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    end = time.monotonic() + 120
-    while not any(temp.glob("aotc-ranks-*/rank1.log")) or len(list(temp.glob("aotc-bundle-*"))) < 2:
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            return f"other (the ranks never started: {proc.stdout.read()[-200:]})"
-        time.sleep(0.05)
+    line = proc.stdout.readline()  # rank 0 prints the prompt once both ranks opened the bundle
+    if not line.startswith("prompt 0 "):
+        proc.kill()
+        return f"other (the ranks never started: {line}{proc.stdout.read()[-200:]})"
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(30)
@@ -650,8 +649,77 @@ RANKS = [
     Case("ranks", "a prompt longer than the cache, to the launcher", launched({"RANK": None, "WORLD_SIZE": None}, "more than the cache holds", args=("--prompt", "hi " * 400))),
 ]
 
-CASES = TRUST + NOTHING_LOST + ROUND_TWO + RANKS
-CLASSES = ("trust", "nothing lost", "resources", "eager path", "templates", "model folders", "hub ids", "ranks")
+# -- issue 77: the bundle copy, quantize's leftovers, strict arguments --
+
+HOLDING = """
+import sys
+from aotc import Session
+with Session.open(sys.argv[1]) as session:
+    session.generate(["Hi"], max_new_tokens=2)
+    print("generated", flush=True)
+    sys.stdin.read()
+"""
+
+
+def killed_run(backend: str) -> Callable[["Probe", Path], str]:
+    """A program that opened a bundle and generated, killed with SIGKILL: handled when its
+    temp folder (TMPDIR) is empty (no aotc-bundle-* copy, no torch extraction)."""
+
+    def run(p: Probe, ws: Path) -> str:
+        b, temp = p.bundle(backend), ws / "tmp"
+        temp.mkdir()
+        env = {**{k: v for k, v in p.env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "TMPDIR": str(temp)}
+        proc = subprocess.Popen([sys.executable, "-c", HOLDING, str(b)], env=env, cwd=ws,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        line = proc.stdout.readline()
+        proc.kill()
+        proc.wait()
+        if line != "generated\n":
+            return f"other (it did not run: {line}{proc.stdout.read()[-200:]})"
+        # torch's own compile cache folder, made by importing its export serializer, is
+        # left by a run that ends by itself too: it is torch's, reused, not the run's.
+        left = sorted(x.name for x in temp.iterdir() if x.name != f"torchinductor_{getpass.getuser()}")
+        return f"lost ({', '.join(left)} left)" if left else "handled"
+
+    return run
+
+
+def killed_quantize(p: Probe, ws: Path) -> str:
+    """What a SIGKILLed quantize leaves beside -o (.q.tmp-*) is removed by the next quantize to it."""
+    out = ws / "out"
+    (out / ".q.tmp-x1y2z3").mkdir(parents=True)
+    r = p.aotc("quantize", p.model(), "-o", out / "q")
+    if r.rc != 0:
+        return judge(r)
+    return "handled" if sorted(x.name for x in out.iterdir()) == ["q"] else f"lost ({', '.join(sorted(x.name for x in out.iterdir()))})"
+
+
+def _full_temp(p: Probe, ws: Path) -> str:
+    """A temp folder too small for the bundle's checked copy: refused naming it, nothing left in it."""
+    with _small_disk(ws) as disk:
+        if disk is None:
+            return "other (cannot mount a tmpfs here)"
+        outcome = judge(p.aotc("run", p.bundle(), "--prompt", "hi", "--max-new-tokens", "2", env={"TMPDIR": str(disk)}), "(the temp folder, $TMPDIR): No space left on device")
+        return "lost" if list(disk.iterdir()) else outcome
+
+
+ROUND_THREE = [
+    Case("bundle copy", "a killed run of an export bundle", killed_run("export")),
+    Case("bundle copy", "a killed run of an inductor bundle", killed_run("inductor")),
+    Case("bundle copy", "a full temp folder", _full_temp),
+    Case("quantize", "what a killed quantize left", killed_quantize),
+    *[Case("strict", f"cache prune --max-size {v[:12]!r}", lambda p, ws, v=v: judge(p.aotc("cache", "prune", "--max-size", v, "--cache-dir", ws / "c"), "--max-size")) for v in ("5Ki", "5 G", "9" * 400)],
+    Case("strict", "--prefill-chunk 128 --max-seq 64", lambda p, ws: judge(p.aotc("build", p.model(), *BUILT, "--prefill-chunk", "128", "-o", ws / "b"), "128 is more than --max-seq 64")),
+    bad_input("strict", "--max-seq beyond max_position_embeddings", build_of(lambda m: _config(m, max_position_embeddings=32)), "max_position_embeddings is 32"),
+    Case("strict", "--jobs 1000000", lambda p, ws: judge(p.aotc("build", p.model(), *BUILT, "--jobs", "1000000", "-o", ws / "b"), "--jobs 1000000")),
+    Case("strict", "init tiny --layers 1000000", lambda p, ws: judge(p.aotc("init", "tiny", ws / "m", "--layers", "1000000", timeout=60), "--layers")),
+    bad_input("strict", "eos_token_id 10**9", lambda m, ws: ["run", _config(m, eos_token_id=10**9), "--eager", "--prompt", "hi", "--max-new-tokens", "2"], "beyond the vocabulary"),
+    manifest_case("an unknown manifest key", lambda m: m.update(surprise=1), "surprise: no such field"),
+    manifest_case("backend.flags a list", lambda m: m["backend"].update(flags=[1, 2]), "backend.flags"),
+]
+
+CASES = TRUST + NOTHING_LOST + ROUND_TWO + RANKS + ROUND_THREE
+CLASSES = ("trust", "nothing lost", "resources", "eager path", "templates", "model folders", "hub ids", "ranks", "bundle copy", "quantize", "strict")
 
 
 def main() -> None:

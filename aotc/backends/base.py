@@ -259,6 +259,10 @@ class Backend(abc.ABC):
     # attention): "collectives" (all-gather, reduce-scatter) or "all-reduce" (rows placed
     # at their rank's block, summed) where its runtime cannot run the former safely.
     gathers_with: ClassVar[str] = "collectives"
+    # Its loaded programs, or its reference runner, read the artifact's files after load:
+    # where not, Bundle.load removes its checked copy of them once the programs are loaded,
+    # so that a killed run leaves none behind.
+    reads_files_loaded: bool = True
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "Backend":

@@ -122,6 +122,7 @@ class ExportBackend(Backend):
     name = "export"
     collectives_in_graph = True  # the FX graph calls them as eager torch does
     files = (PROGRAM,)
+    reads_files_loaded = False  # the program is read into memory
 
     def version(self) -> str:
         return f"torch-{torch.__version__}"

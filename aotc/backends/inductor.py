@@ -177,6 +177,9 @@ class InductorBackend(Backend):
         if device not in ("cpu", "cuda"):
             raise BackendError(f"--device {device!r}: expected cpu or cuda")
         self.device = device
+        # On the CPU a loaded package is its shared library, mapped: its files may go. CUDA
+        # kernels are loaded from their files at a graph's first call.
+        self.reads_files_loaded = device == "cuda"
         self.config = dict(sorted((config or {}).items()))  # Inductor configs, e.g. {"cpp.simdlen": 256}
         if self.config:
             import torch._inductor.config as inductor_config
@@ -264,7 +267,15 @@ class InductorBackend(Backend):
         # mismatch; the bundle checks its target itself (Bundle.load). Remove
         # this when the public loader stops probing. (A swapped package is refused
         # before this: Bundle.load compares signature() with the manifest.)
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(art_dir / PACKAGE), "model", True, 1, -1)
+        # The checked package, unpacked by aotc beside it: the loader's own extraction goes to
+        # a temp folder that a killed run leaves behind, and it loads an unpacked package as is.
+        unpacked = art_dir / "unpacked"
+        try:
+            with zipfile.ZipFile(art_dir / PACKAGE) as z:
+                z.extractall(unpacked)  # names with ".." or a root are kept inside (zipfile)
+        except zipfile.BadZipFile as e:
+            raise BundleError(f"{art_dir / PACKAGE}: not a package aotc wrote ({e}); rebuild the bundle (aotc build)") from None
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(unpacked), "model", True, 1, -1)
         # The record checked against the manifest (read as data, below) must be the one the
         # loader reads: were another torch to read another file, it is refused, not trusted.
         if loader.get_metadata().get(WEIGHTS_KEY) != json.dumps(self.weight_paths(art_dir)):

@@ -30,7 +30,7 @@ from ..trace import Variant
 from .assemble import assemble_manifest, model_record
 from .key import KeyedGraph, key_graphs
 from .obtain import BuiltArtifact, copy_files, obtain_artifacts, remote_client
-from .options import BuildOptions, default_backend, default_jobs, parse_buckets, parse_flags, parse_shard
+from .options import BuildOptions, check_jobs, default_backend, default_jobs, parse_buckets, parse_flags, parse_shard
 from .plan import make_plan, resolve, shard_of
 
 __all__ = [
@@ -186,21 +186,17 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend:
 
 
 def bundle_locks(options: BuildOptions) -> Path | None:
-    """Where a bundle's writers take turns: the compile cache's locks/ folder, where builds
-    can write to that cache (a folder aotc does not own, or cannot write, is left alone)."""
-    from ..cache.local import LocalCache, default_root
+    """Where a bundle's writers take turns (cache.writer_locks)."""
+    from ..cache.local import writer_locks
 
-    try:
-        cache = LocalCache(Path(options.cache_dir or default_root()))
-    except AotcError:  # --cache-dir is a file: the lock stays beside the bundle
-        return None
-    return None if cache.writable() else cache.root / "locks"
+    return writer_locks(options.cache_dir)
 
 
 def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = None) -> list[str]:
     """Complete what the build machine could not (a neuron cross-build's compiles),
     through the backend's `finish` hook; the manifest is rewritten once all succeeded."""
     bundle = Path(bundle)
+    check_jobs(jobs)
     manifest = read_manifest(bundle)
     backend_class = get_backend_class(manifest.backend.name)
     if backend_class.finish is Backend.finish:

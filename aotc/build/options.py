@@ -133,8 +133,7 @@ class BuildOptions:
                 f"--data-parallel-attention with --expert-parallel {self.expert_parallel}: data-parallel attention splits the "
                 "sequences across the ranks that split the experts; give --expert-parallel N (N >= 2) with it"
             )
-        if self.jobs is not None and self.jobs <= 0:
-            raise AotcError(f"--jobs {self.jobs}: expected a positive integer")
+        check_jobs(self.jobs)
         model, out = self.model_dir.resolve(), self.out.resolve()
         if out == model or out.is_relative_to(model) or model.is_relative_to(out):
             raise AotcError(
@@ -232,6 +231,16 @@ class BuildOptions:
             f"-o {self.out} (the default, from the model's name) holds a bundle of {theirs} on {held.backend.name}; this build "
             f"is of {mine} on {self.backend}. Pass -o to write it elsewhere, or --force to replace that bundle"
         )
+
+
+def check_jobs(jobs: int | None) -> None:
+    """--jobs: a positive count, at most this machine's CPUs (each compile process keeps one
+    busy, and takes gigabytes)."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    if jobs is not None and not 0 < jobs <= cpus:
+        raise AotcError(f"--jobs {jobs}: expected 1 to {cpus}, this machine's CPUs (default: from cores and free memory)")
 
 
 def default_jobs(tasks: int, backend: Backend) -> int:

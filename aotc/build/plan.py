@@ -41,8 +41,20 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
     """Fill in what depends on the config; (config dict, model class, backend). Cheap: no torch model."""
     load_plugins(options.plugins)
     config_dict, arch, config = parse_config(options.model_dir, modeling=options.modeling, layout=options.layout)
+    positions = getattr(config, "max_position_embeddings", None)
     if options.max_seq is None:
-        options.max_seq = min(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ), DEFAULT_MAX_SEQ)
+        options.max_seq = min(positions or DEFAULT_MAX_SEQ, DEFAULT_MAX_SEQ)
+    elif positions is not None and options.max_seq > positions:
+        raise AotcError(
+            f"--max-seq {options.max_seq}: {options.model_dir / 'config.json'}'s max_position_embeddings is {positions}, where the "
+            f"model's positions end (its rotary tables and trained range), as an eager run's do; give at most {positions}"
+        )
+    long = [c for c in options.chunk_buckets if c > options.max_seq]
+    if long:
+        raise AotcError(
+            f"--prefill-chunk {','.join(map(str, options.chunk_buckets))}: {long[0]} is more than --max-seq {options.max_seq}; "
+            "a chunk's tokens all go into the cache, so a chunk is at most max_seq tokens"
+        )
     options.resolve_contexts()
     return config_dict, arch.model_class, options.make_backend()
 

@@ -300,14 +300,35 @@ class LocalCache:
         return sorted(f for f in kind.iterdir() if f.is_dir() and not f.is_symlink())
 
 
+def writer_locks(cache_dir: Path | str | None) -> Path | None:
+    """Where the writers of one bundle or model folder take turns (format.writers_turn): the
+    compile cache's locks/ folder, where it can be written (a folder aotc does not own, or
+    cannot write, is left alone: None)."""
+    try:
+        cache = LocalCache(Path(cache_dir or default_root()))
+    except AotcError:  # a file: the lock stays beside the folder written
+        return None
+    return None if cache.writable() else cache.root / "locks"
+
+
+MAX_SIZE = 10**18  # bytes: more than any disk
+
+
 def parse_size(text: str) -> int:
     """'500M', '2G', '1.5GB', '100k', '0' -> bytes, in decimal units (1G = 10^9 bytes), as
-    sizes are printed; binary units are spelled out: '2GiB' = 2 * 2^30 bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(text).upper())
-    if not match or (match[3] and not match[2]):
-        raise AotcError(f"--max-size {text!r}: expected a size such as 500M, 2G, 1.5GiB or 0")
-    base = 1024 if match[3] else 1000
-    return int(float(match[1]) * base ** "_KMGT".index(match[2] or "_"))
+    sizes are printed; binary units are spelled out: '2GiB' = 2 * 2^30 bytes. Nothing else:
+    no space inside, no 'Ki' without its B, at most MAX_SIZE."""
+    from decimal import Decimal
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(?:([KMGT])(IB|B)?|B)?", str(text).strip().upper())
+    if not match:
+        raise AotcError(f"--max-size {text!r}: expected a size such as 500M, 2G, 1.5GiB or 0 (decimal units, or KiB, MiB, GiB, TiB spelled out)")
+    base = 1024 if match[3] == "IB" else 1000
+    size = Decimal(match[1]) * base ** "_KMGT".index(match[2] or "_")
+    if size > MAX_SIZE:
+        shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"
+        raise AotcError(f"--max-size {shown}: more than any disk holds; give at most 1000000T")
+    return int(size)
 
 
 def format_size(n: int) -> str:

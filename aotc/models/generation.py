@@ -26,12 +26,18 @@ class GenerationDefaults:
     max_new_tokens_from: str  # generation_config.json or "aotc default"
 
 
-def _eos(value, source: Path) -> tuple[int, ...] | None:
+def _eos(value, source: Path, vocab) -> tuple[int, ...] | None:
     if value is None:
         return None
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ConfigError(f"{source}: field 'eos_token_id' is {value!r}; expected a token id or a list of token ids")
+    beyond = [i for i in ids if isinstance(vocab, int) and i >= vocab]
+    if beyond:
+        raise ConfigError(
+            f"{source}: field 'eos_token_id' is {value!r}; token {beyond[0]} is beyond the vocabulary (config.json's vocab_size is {vocab}), "
+            "so the model could never stop at it. Give the ids of the model's stop tokens"
+        )
     return tuple(ids)
 
 
@@ -40,9 +46,10 @@ def generation_defaults(model_dir: Path, config: dict) -> GenerationDefaults:
     generation_config.json's max_new_tokens, else aotc's default."""
     path = model_file(model_dir, GENERATION_CONFIG)
     gen = read_json_object(path) if path.is_file() else {}
-    eos, eos_from = _eos(gen.get("eos_token_id"), path), GENERATION_CONFIG
+    vocab = config.get("vocab_size")
+    eos, eos_from = _eos(gen.get("eos_token_id"), path, vocab), GENERATION_CONFIG
     if eos is None:
-        eos, eos_from = _eos(config.get("eos_token_id"), Path(model_dir) / "config.json"), "config.json"
+        eos, eos_from = _eos(config.get("eos_token_id"), Path(model_dir) / "config.json", vocab), "config.json"
     if eos is None:
         eos, eos_from = (), "none"
     length = gen.get("max_new_tokens")

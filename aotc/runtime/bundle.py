@@ -29,6 +29,7 @@ from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
 from ..parallel import data_parallel, flag
 from ..plugins import load_plugins
+from ..scratch import own_folder, temp_error
 from ..kvcache import Regions
 from .dispatch import Dispatcher, StepMemo
 from .resident import DeviceCaches
@@ -75,7 +76,8 @@ class Bundle:
         # The bytes loaded are the bytes checked: every artifact is copied into a folder of
         # this process's own (0700), and the copy is hashed, read and loaded. The loaders
         # take paths, so a file swapped in the bundle right after its check would load.
-        checked = tempfile.TemporaryDirectory(prefix="aotc-bundle-")
+        # The copy goes once loaded, where the backend's programs no longer read their files.
+        checked = own_folder("bundle")
         if load_artifacts:
             backend = get_backend(manifest.backend.name, "load", **manifest.backend.flags)
             why = backend.incompatible(manifest)
@@ -83,7 +85,11 @@ class Bundle:
                 raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
             backend.opening(manifest)
         for entry, art in manifest.artifacts():
-            art_dir = _copy_files(path / art.dir, art.files, Path(checked.name) / art.dir)
+            try:
+                art_dir = _copy_files(path / art.dir, art.files, Path(checked.name) / art.dir)
+            except OSError as e:  # a full temp folder
+                checked.cleanup()
+                raise temp_error(e) from None
             bad = bad_file(art_dir, art.files)
             if bad:
                 raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
@@ -96,11 +102,16 @@ class Bundle:
                         "compiled for; the bundle was altered. Rebuild it (aotc build)"
                     )
                 programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
+        if load_artifacts and not backend.reads_files_loaded:
+            checked.cleanup()
+            checked = None
         return cls(path, manifest, programs, time.perf_counter() - t0, backend, checked)
 
     def checked_dir(self, art) -> Path:
         """Where the checked copy of an artifact's files is: what readers of its files
         (a backend's reference runner) read, never the bundle folder itself."""
+        if self.checked is None:
+            raise BundleError(f"{self.dir}: its checked copy was removed once its {self.manifest.backend.name} programs were loaded")
         return Path(self.checked.name) / art.dir
 
     @property

@@ -36,9 +36,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from ..scratch import own_folder
 
 POLL_S = 0.05
 GRACE_S = 2.0  # SIGTERM, then SIGKILL after this
@@ -77,7 +78,7 @@ def launch(entry: str, arguments: dict, world_size: int, out=None, forward: bool
         raise ValueError(f"launch entry {entry!r}: expected 'module:function'")
     deadline = rank_timeout().total_seconds()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    logs = tempfile.TemporaryDirectory(prefix="aotc-ranks-")  # 0700: the call file is ours alone
+    logs = own_folder("ranks")  # 0700: the call file is ours alone; a killed launcher's is swept by the next
     call = Path(logs.name) / "call.json"
     call.write_text(json.dumps({"entry": entry, "arguments": arguments}))
     children: list[subprocess.Popen] = []

@@ -167,7 +167,8 @@ def verify(
         names = {i: spec.params[i] for i in call.written}
         weights_in = placed[entry.id, instance_path]
         programs = [bundle.programs[entry.id, art.bucket, art.context]] if bundle.programs else []
-        runner = backend.reference(bundle.checked_dir(art), art)  # the copy whose hash was checked
+        # On the copy whose hash was checked (kept after load where a reference reads it).
+        runner = backend.reference(bundle.checked_dir(art), art) if bundle.checked is not None else None
         if runner is not None:
             programs.append(runner)
         if not programs:
