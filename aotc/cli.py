@@ -600,7 +600,7 @@ def _endings(done, defaults, new_tokens: int, asked_new: int | None, model_dir: 
     --chat would have sent the prompt through."""
     from .chat import has_chat_template
 
-    notes = []
+    notes = [defaults.note] if defaults.note else []
     eos = set(defaults.eos_token_ids)
     cut = [i for i, c in enumerate(done) if c.finish_reason == "length"]
     if cut and eos:

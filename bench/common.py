@@ -30,6 +30,7 @@ BUCKETS = (1, 2, 4, 8)
 MAX_SEQ = 256
 POSITION = 128  # decode steps are timed at this context position
 # ~100M parameters, fp32: 8 layers of hidden 1024, GQA 16/4, vocab 8192
+POSITIONS = dict(max_position_embeddings=8192)
 M100 = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=8192)
 # The CPU flags that decide how fast each number format runs (bf16 and int8 dot products).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
@@ -81,7 +82,9 @@ class Run:
     def model(self, name: str) -> Path:
         if name not in self._models:
             # The tokenizer has 512 tokens; the 100m model's other vocab rows are unused ids, as in real models.
-            shape = {"tiny": {}, "100m": dict(layers=8, **M100)}[name]
+            # Positions as SmolLM2's (8192): the context section builds a max_seq-4096 bundle, and
+            # a bundle's max_seq is at most the model's max_position_embeddings.
+            shape = {"tiny": POSITIONS, "100m": dict(layers=8, **M100, **POSITIONS)}[name]
             self._models[name] = write_tiny(self.root / "models" / name, **shape)
         return self._models[name]
 
