@@ -13,6 +13,16 @@ from aotc.build import BuildOptions, build
 from aotc.models.tiny import write_tiny
 
 
+# xdist's workers share the machine's cores: each runs torch (and the processes its tests
+# start) on its share of them. At torch's default, every worker's OpenMP regions span all
+# the cores, and two workers' threads spin against each other: the suite took a fifth
+# longer on this 2-core machine (aotc's own runs still size their threads themselves).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+    _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
 # summed per module (seconds on the development machine, AMD EPYC, two workers,
 # 2026-12-04, remeasured after issue 64's third cuts: the xla lowering's one retrace).

@@ -331,7 +331,9 @@ def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
     raise AssertionError("the launcher started no ranks")
 
 
-@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), ("xla", "generating"), pytest.param("neuron", "generating", marks=pytest.mark.slow)])
+# xla and neuron under slow (issue 64): the launcher's handling is the backend's alike (the
+# export cells); xla's ranks run in CI in test_xla_ranks_run_per_rank_hlo_as_replicas_...
+@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), pytest.param("xla", "generating", marks=pytest.mark.slow), pytest.param("neuron", "generating", marks=pytest.mark.slow)])
 def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(request, kind, when):
     """Killed while generating, rank 0's collective fails at once; killed before it joins the
     group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first. On xla
