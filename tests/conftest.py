@@ -15,8 +15,9 @@ from aotc.models.tiny import write_tiny
 
 # xdist's workers share the machine's cores: each runs torch (and the processes its tests
 # start) on its share of them. At torch's default, every worker's OpenMP regions span all
-# the cores, and two workers' threads spin against each other: the suite took a fifth
-# longer on this 2-core machine (aotc's own runs still size their threads themselves).
+# the cores, and two workers' threads spin against each other: on this 2-core machine the
+# transformers, engine and bench modules took 116 s, against 91 s at one thread each
+# (aotc's own runs still size their threads themselves).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
     _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
@@ -25,34 +26,37 @@ if _WORKERS > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
 
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
 # summed per module (seconds on the development machine, AMD EPYC, two workers,
-# 2026-12-04, remeasured after issue 64's third cuts: the xla lowering's one retrace).
-# Each of the two workers takes the next whole module when it is free (--dist loadscope);
-# started longest first, they finish within a short module of each other. xdist's default
-# order (most tests first) left the few-test, long modules for last, and one worker idle
-# for a minute or more. pytest-randomly still shuffles the tests within each module and
-# the order of the modules not listed.
+# 2026-12-05, remeasured on a fresh clone after issue 64's fourth cuts: a share of the
+# cores per worker). Each of the two workers takes the next whole module when it is free
+# (--dist loadscope); started longest first, they finish within a short module of each
+# other. xdist's default order (most tests first) left the few-test, long modules for
+# last, and one worker idle for a minute or more. pytest-randomly still shuffles the
+# tests within each module and the order of the modules not listed.
 LONGEST_FIRST = [
-    "test_transformers_path",  # 145
-    "test_bench",  # 80
-    "test_parallel",  # 60, most of it in processes of their own (the ranks)
-    "test_inductor",  # 55
-    "test_deepseek_v4_compiled",  # 55
-    "test_cache",  # 50
-    "test_neuron",  # 50
-    "test_real_folders",  # 50
-    "test_verify",  # 35
-    "test_quant",  # 30
-    "test_bisect",  # 30
-    "test_bad_inputs",  # 30
-    "test_safety",  # 25
-    "test_full_disk",  # 25
-    "test_strip_data_dependent",  # 20
-    "test_fidelity",  # 15
-    "test_xla",  # 15
-    "test_cli",  # 10
+    "test_parallel",  # 117, most of it in processes of their own (the ranks)
+    "test_transformers_path",  # 105
+    "test_data_parallel",  # 74, the ranks' processes
+    "test_inductor",  # 53
+    "test_bench",  # 49
+    "test_cache",  # 45
+    "test_neuron",  # 42
+    "test_ranks",  # 38
+    "test_deepseek_v4_compiled",  # 36
+    "test_expert_parallel",  # 33
+    "test_real_folders",  # 33
+    "test_verify",  # 32
+    "test_quant",  # 26
+    "test_bad_inputs",  # 25
+    "test_bisect",  # 24
+    "test_safety",  # 23
+    "test_full_disk",  # 22
+    "test_serve",  # 18
+    "test_strip_data_dependent",  # 15
+    "test_fidelity",  # 13
+    "test_xla",  # 13
     "test_readme_claims",  # 10
-    "test_rewrite_skinny_linears",  # 10
-    "test_runtime",  # 10
+    "test_cli",  # 10
+    "test_kvcache",  # 10
 ]
 
 
