@@ -482,7 +482,7 @@ def run(
                 # Checked here, once, before any rank starts: the pin, and the arguments.
                 check_pin(Path(path), manifest, expect_digest, plugin)
                 _check_max_batch(max_batch, max(manifest.shapes.batch))
-                model_dir = bundle_model(manifest, model, revision)
+                model_dir = bundle_model(Path(path), manifest, model, revision)
                 defaults = generation_defaults(model_dir, read_json_object(model_file(model_dir, "config.json")))
                 prompts = _run_prompts(_tokenizer(model_dir), model_dir, prompt, messages, chat)[1]
                 _fit_bundle(prompts, max_new_tokens or defaults.max_new_tokens, manifest.shapes.max_seq, smoke=not prompt and not messages)

@@ -142,7 +142,7 @@ def test_sigterm_ends_the_launcher_and_its_ranks_and_leaves_nothing_in_the_temp_
     assert [p.name for p in temp.iterdir() if p.name != torch_cache] == []
 
 
-@pytest.mark.parametrize("how", ["a tampered world_size under --expect-digest", "an argument error", "a prompt longer than the cache"])
+@pytest.mark.parametrize("how", ["a tampered world_size under --expect-digest", "an argument error", "a prompt longer than the cache", "a model folder that is gone"])
 def test_the_launcher_checks_the_pin_and_the_arguments_before_any_rank_starts(tp_bundle, tmp_path, how):  # noqa: F811
     """Exit 2, the error printed once, and no rank started: no log folder of the launcher's
     and no rank's copy of the bundle in the temp folder."""
@@ -152,6 +152,13 @@ def test_the_launcher_checks_the_pin_and_the_arguments_before_any_rank_starts(tp
     bundle, args, expected = tp_bundle.out, ["--max-batch", "9"], "--max-batch 9: the bundle's largest batch bucket is 4"
     if how == "a prompt longer than the cache":  # found with the tokenizer, in the launching process too
         args, expected = ["--prompt", "hi " * 200], "prompt 1 has 600 tokens; with --max-new-tokens 32 that is 632 positions, more than the cache holds (max_seq 128)"
+    if how == "a model folder that is gone":
+        bundle = tmp_path / "b"
+        shutil.copytree(tp_bundle.out, bundle)
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        manifest["model"]["source"] = str(tmp_path / "gone")
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        args, expected = [], f"{tmp_path / 'gone'}: no such folder (the folder the bundle {bundle} was built from, and it is gone)"
     if how.startswith("a tampered"):
         from aotc.format import read_manifest
 

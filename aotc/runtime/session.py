@@ -116,13 +116,7 @@ class Session:
         t0 = time.perf_counter()
         b = Bundle.load(bundle, plugins=list(plugins), expect_digest=expect_digest)
         rank, world, threads = _join(b, threads)
-        model_dir = bundle_model(b.manifest, None if model is None else str(model), revision)
-        if not model_dir.is_dir():
-            whose = "model=" if model is not None else f"the folder the bundle {b.dir} was built from, and it is gone"
-            raise AotcError(
-                f"{model_dir}: no such folder ({whose}). Pass the folder or Hub id ORG/NAME with the model's weights: "
-                f"Session.open({str(b.dir)!r}, model=...), or aotc run {b.dir} --model ..."
-            )
+        model_dir = bundle_model(b.dir, b.manifest, None if model is None else str(model), revision)
         loaded = load_model(model_dir, **b.model_args(rank))
         b.check_model(loaded)
         check_memory(loaded.model, b)  # before the caches are allocated
@@ -482,19 +476,27 @@ def read_tokenizer(model_dir: Path):
         raise AotcError(f"{path}: not a tokenizer the tokenizers library reads ({e}); re-save it from the model's tokenizer") from None
 
 
-def bundle_model(manifest: Manifest, model: str | None, revision: str | None) -> Path:
+def bundle_model(bundle: Path, manifest: Manifest, model: str | None, revision: str | None) -> Path:
     """The weights for a bundle: `model`, else the folder it was built from, else the Hub
-    snapshot it was built from (the same commit) on this machine."""
+    snapshot it was built from (the same commit) on this machine; a folder that is not
+    there is an AotcError saying how to name one."""
     from ..models.hub import resolve_model
 
     if model is not None:
-        return resolve_model(model, revision)[0]
-    if revision is not None:
+        model_dir = resolve_model(model, revision)[0]
+    elif revision is not None:
         raise AotcError("--revision applies to --model ORG/NAME; the bundle's own model is the commit it was built from")
-    source, hub = Path(manifest.model.source), manifest.model.hub
-    if hub is not None and not source.is_dir():
-        return resolve_model(hub.repo_id, hub.commit)[0]
-    return source
+    else:
+        model_dir, hub = Path(manifest.model.source), manifest.model.hub
+        if hub is not None and not model_dir.is_dir():
+            model_dir = resolve_model(hub.repo_id, hub.commit)[0]
+    if not model_dir.is_dir():
+        whose = "model=" if model is not None else f"the folder the bundle {bundle} was built from, and it is gone"
+        raise AotcError(
+            f"{model_dir}: no such folder ({whose}). Pass the folder or Hub id ORG/NAME with the model's weights: "
+            f"Session.open({str(bundle)!r}, model=...), or aotc run {bundle} --model ..."
+        )
+    return model_dir
 
 
 def check_memory(model, b: Bundle) -> None:
