@@ -164,7 +164,7 @@ PREFILL_CHUNK = typer.Option(
     "16,64", "--prefill-chunk",
     help="Prefill chunk lengths, comma-separated: a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
 )  # fmt: skip
-MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens (default: min(max_position_embeddings, 1024)).")
+MAX_SEQ = typer.Option(None, "--max-seq", help="Cache length in tokens, at most config.json's max_position_embeddings (default: min(max_position_embeddings, 1024)).")
 CONTEXT = typer.Option(None, "--context", help="With --entry and --bucket: the artifact of this context bucket (default: the entry's smallest).")
 CONTEXT_BUCKETS = typer.Option(
     None, "--context-buckets",
@@ -206,7 +206,7 @@ def build(
     tensor_parallel: int = TENSOR_PARALLEL,
     expert_parallel: int = EXPERT_PARALLEL,
     data_parallel_attention: bool = DATA_PARALLEL_ATTENTION,
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes (default: from cores and free memory)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes, at most the machine's CPUs (default: from cores and free memory)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
     cache_dir: Optional[Path] = CACHE_DIR,
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile everything; neither read nor fill the compile cache."),
@@ -401,7 +401,7 @@ def cache_ls(
 
 @cache_app.command("prune")
 def cache_prune(
-    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, dropping least recently used first: decimal units as sizes are printed (2G = 2e9 bytes, 500M, 0), or binary ones spelled out (1.5GiB)."),
+    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, dropping least recently used first: decimal units as sizes are printed (2G = 2e9 bytes, 500M, 0), or binary ones spelled out (1.5GiB); at most 1000000T."),
     cache_dir: Optional[Path] = CACHE_DIR,
 ):
     """Shrink the cache to a size, and remove what dead builds left behind."""
@@ -504,11 +504,11 @@ def run(
             short = memory_shortfall(loaded.model, (max_batch or len(prompts)) + 1, max_seq)
             if short:
                 raise AotcError(f"aotc run --eager: {short}. Shorten the prompts, lower --max-new-tokens or --max-batch")
+            check_lengths(prompts, new_tokens, max_seq)  # before anything streams
         else:
             max_seq = session.bundle.max_seq
             _check_max_batch(max_batch, session.bundle.max_batch)
-            prompts, notes = _fit_bundle(prompts, new_tokens, max_seq, smoke=not prompt and not messages)
-        check_lengths(prompts, new_tokens, max_seq)  # before anything streams
+            prompts, notes = _fit_bundle(prompts, new_tokens, max_seq, smoke=not prompt and not messages)  # checks their lengths
         rank = 0 if session is None else session.rank
         stream = None if as_json or rank != 0 else _Stream(asked, prompts, notes)
         with stream or contextlib.nullcontext():
