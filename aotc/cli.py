@@ -177,11 +177,11 @@ KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model'
 MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc\\[hf]).")
 TENSOR_PARALLEL = typer.Option(
     1, "--tensor-parallel", min=1,
-    help="Ranks to split the model across (llama family; every backend): one graph per entry and bucket serves every rank, with the collectives inside it (on xla and neuron, per-rank HLO collectives; on neuron each rank takes a NeuronCore of its own); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
+    help="Ranks to split the model across (llama family, and transformers models by their config's base_model_tp_plan; every backend): one graph per entry and bucket serves every rank, with the collectives inside it (on xla and neuron, per-rank HLO collectives; on neuron each rank takes a NeuronCore of its own); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
 )  # fmt: skip
 EXPERT_PARALLEL = typer.Option(
     1, "--expert-parallel", min=1,
-    help="Ranks to split the routed experts across (DeepSeek V4; every backend): attention, caches, the shared expert and the routers on every rank, each rank holding and reading only its experts; one fp32 all-reduce per MoE layer. Started as --tensor-parallel's ranks are.",
+    help="Ranks to split the routed experts across (DeepSeek V4, and transformers MoE models by their config's base_model_ep_plan; every backend): attention, caches, the shared expert and the routers on every rank, each rank holding and reading only its experts; one fp32 all-reduce per MoE layer. Started as --tensor-parallel's ranks are.",
 )  # fmt: skip
 DATA_PARALLEL_ATTENTION = typer.Option(
     False, "--data-parallel-attention",

@@ -708,7 +708,10 @@ def _check_parallel(m: Manifest, bad) -> None:
                 bad(where, "a shard in a bundle of one rank")
             if spec.kind == "first":
                 continue
-            if (spec.kind == "experts") != (p.expert_parallel > 1):
+            # Across experts, a tensor is one expert's ("experts") or a stack of every expert's,
+            # split along its experts ("split" on dim 0 in whole experts).
+            stack = spec.kind == "split" and spec.dim == 0 and spec.unit == 1 and len(spec.blocks) == 1 and spec.ways == world
+            if not ((spec.kind == "experts" or stack) if p.expert_parallel > 1 else spec.kind == "split"):
                 bad(where, f"a shard of kind {spec.kind!r} in a bundle of tensor_parallel {p.tensor_parallel}, expert_parallel {p.expert_parallel}")
             if not 0 <= spec.dim < len(w.shape) or spec.ways < 1 or world % spec.ways or spec.unit < 1 or not spec.blocks:
                 bad(where, f"dim {spec.dim}, ways {spec.ways}, unit {spec.unit}, blocks {spec.blocks} for shape {w.shape} at world_size {world}")

@@ -237,13 +237,16 @@ def _check_degree(arch: Architecture, config, layout: ParallelRecord) -> None:
     """--tensor-parallel N or --expert-parallel N: the model has that plan, and every
     tensor it splits splits N ways."""
     if layout.tensor_parallel > 1:
-        name, plan, has = "tensor-parallel", arch.model_class.shard_specs, "the llama family has: llama, qwen2, mistral"
+        name, plan = "tensor-parallel", arch.model_class.shard_specs
+        has = "the llama family has one, and a transformers model whose config class has base_model_tp_plan"
     else:
-        name, plan, has = "expert-parallel", arch.model_class.expert_specs, "DeepSeek V4 has"
+        name, plan = "expert-parallel", arch.model_class.expert_specs
+        has = "DeepSeek V4 has one, and a transformers model whose config class has base_model_ep_plan"
     degree, specs_at = layout.world_size, functools.partial(plan, config)
     option = f"--{name} {degree}"
     if specs_at(degree) is None:
-        raise ConfigError(f"{option}: {arch.name} models have no {name} plan in aotc ({has}); build it with --{name} 1")
+        what = f"{config.architecture} has" if getattr(config, "architecture", None) else f"{arch.name} models have"
+        raise ConfigError(f"{option}: {what} no {name} plan in aotc ({has}); build it with --{name} 1")
     why = parallel.misfit(specs_at(degree), degree)
     if why:
         valid = parallel.valid_degrees(specs_at, max(degree, 64))
@@ -314,7 +317,7 @@ def load_model(
         fake_mode = fake_tensor_mode()
         with fake_mode:
             model = arch.model_class(config)
-        forms = _check_checkpoint(model, checkpoint, _sources(model, checkpoint))
+        forms = _check_checkpoint(model, checkpoint, _rank_sources(model, checkpoint))
         expected = checkpoint_tensors(model)
         with fake_mode:
             for param, form in forms.items():
@@ -414,9 +417,13 @@ def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) ->
     forms = {}
     for name, p in checkpoint_tensors(model).items():
         source = sources[name]
-        spec = model.shard_of(name)
+        spec = _shard_to_read(model, name, source)
         if spec is not None and isinstance(source, Merged):
-            raise WeightsError(f"--tensor-parallel: {name} is merged from {len(source.names)} checkpoint tensors; aotc splits whole tensors only")
+            source.info(checkpoint, name)  # a checkpoint that lacks some of the tensors says so first
+            raise WeightsError(
+                f"{parallel.flag(model.config.parallel)}: {name} is merged from {len(source.names)} checkpoint tensors; aotc splits "
+                "such a parameter along its stack of whole tensors only (its experts)"
+            )
         full = parallel.full_shape(spec, tuple(p.shape))
         if isinstance(source, Merged):
             low = next((n for n in source.names if stored_form(checkpoint, n, checkpoint.info(n).shape) is not None), None)
@@ -451,14 +458,35 @@ def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) ->
     return forms
 
 
+def _rank_part(model: CausalLM, param: str, source: str | Merged) -> str | Merged:
+    """A merged parameter that the rank splits along its stack of whole tensors (an
+    expert-parallel rank's experts, one checkpoint tensor each): the rank's tensors only."""
+    spec = model.shard_of(param)
+    if not isinstance(source, Merged) or spec is None or spec.kind != "split" or spec.dim != source.stack_dim or len(spec.blocks) != 1:
+        return source
+    if any(len(part) != spec.blocks[0] for part in source.parts):  # refused with the counts (_check_checkpoint)
+        return source
+    ((start, end),) = parallel.ranges(spec, model.config.rank, model.config.parallel.world_size)
+    return dataclasses.replace(source, parts=tuple(part[start:end] for part in source.parts), ranked=True)
+
+
+def _rank_sources(model: CausalLM, checkpoint: Checkpoint) -> dict[str, str | Merged]:
+    return {param: _rank_part(model, param, source) for param, source in _sources(model, checkpoint).items()}
+
+
+def _shard_to_read(model: CausalLM, param: str, source: str | Merged) -> ShardSpec | None:
+    """How much of `source` the rank still has to cut: none of a rank's merged part."""
+    return None if isinstance(source, Merged) and source.ranked else model.shard_of(param)
+
+
 def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Container[str], rank: int = 0) -> None:
     expected = checkpoint_tensors(model)
-    sources = _sources(model, checkpoint)
+    sources = _rank_sources(model, checkpoint)
     forms = _check_checkpoint(model, checkpoint, sources)
     # A rank reads only its part of each tensor it splits (and of a stored one's scales).
     world, pieces = model.config.parallel.world_size, {}
     for param in expected:
-        spec, form = model.shard_of(param), forms.get(param)
+        spec, form = _shard_to_read(model, param, sources[param]), forms.get(param)
         if spec is not None:
             read = functools.partial(parallel.piece, rank=rank, world_size=world)
             pieces[param, "values"] = (form.values if form else sources[param], functools.partial(read, spec=spec))

@@ -133,6 +133,9 @@ class Merged:
     parts: tuple[tuple[str, ...], ...]  # checkpoint tensor names, per part, in order
     stack_dim: int = 0
     cat_dim: int = 0
+    # A rank's part already: the tensors of its experts only, of a parameter split along
+    # the stack (expert parallelism), read whole.
+    ranked: bool = False
 
     @property
     def names(self) -> list[str]:

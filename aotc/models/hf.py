@@ -53,11 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel
 from ..entry import entry, freezer
 from ..errors import ConfigError, WeightsError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
-from . import hf_compat
+from . import hf_compat, hf_parallel
 from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
 from .packing import pack, packed_rows, packed_visible
@@ -330,9 +331,25 @@ def _experts(module, hidden_states, top_k_index, top_k_weights):
     loop does. A token that picks one expert in two slots gets it weighted by both, as
     transformers counts it."""
     if module._is_expert_parallel:
-        raise ConfigError(f"{type(module).__qualname__} is expert-parallel; aotc's generic path runs every expert in one process")
-    hit = top_k_index.unique().tolist()  # eager only: the compiled form loops over every expert
-    return _each_expert(module, hidden_states, top_k_index, top_k_weights, hit).to(hidden_states.dtype)
+        raise ConfigError(f"{type(module).__qualname__} is expert-parallel in transformers' own way; aotc splits experts itself (--expert-parallel)")
+    chosen, weights = _local_choices(module, top_k_index, top_k_weights)
+    hit = [e for e in chosen.unique().tolist() if e < module.num_experts]  # eager only: the compiled form loops over every expert
+    dtype = None if module.group is None else torch.float32
+    return _summed(module, _each_expert(module, hidden_states, chosen, weights, hit, dtype), hidden_states.dtype)
+
+
+def _local_choices(module, chosen, weights):
+    """The router's choices as this rank's experts (num_experts, its count: another rank's)
+    and their weights, 0 for another rank's (--expert-parallel); on one rank, unchanged."""
+    if module.group is None:
+        return chosen, weights
+    local = module.expert_map[chosen]
+    return local, weights * (local < module.num_experts)
+
+
+def _summed(module, out, dtype):
+    """The experts' output: on several ranks, every rank's part summed (one fp32 all-reduce)."""
+    return out.to(dtype) if module.group is None else parallel.all_reduce(out.float(), module.group).to(dtype)
 
 
 def _expert_linear(module, x, weight, bias):
@@ -362,8 +379,8 @@ def _gathered_experts(module, x, chosen, weights):
     return (h * weights[..., None].to(h.dtype)).sum(1)
 
 
-def _each_expert(module, x, chosen, weights, experts):
-    out = torch.zeros_like(x)
+def _each_expert(module, x, chosen, weights, experts, dtype=None):
+    out = torch.zeros_like(x, dtype=dtype)
     for e in experts:
         picked = chosen == e  # [N, k]
         (rows,) = picked.any(dim=-1).nonzero(as_tuple=True)  # the tokens routed to expert e
@@ -381,15 +398,20 @@ def _is_experts(module: nn.Module) -> bool:
 @functools.cache
 def _experts_class(base: type) -> type:
     def compiled_forward(self, hidden_states, top_k_index, top_k_weights, derived):
-        """Each token's chosen experts gathered from the fused weights (a multiply and sum Inductor fuses, reading only the chosen matrices), where a step makes fewer choices than there are experts; else each expert on its tokens (nonzero, which strip_data_dependent makes static)."""
+        """Each token's chosen experts gathered from the fused weights (a multiply and sum Inductor fuses, reading only the chosen matrices), where a step makes fewer choices than there are experts; else each expert on its tokens (nonzero, which strip_data_dependent makes static).
+
+        Across ranks (--expert-parallel): the rank's experts, the others' choices weighted 0
+        (gathered, they read expert num_experts - 1), and one fp32 all-reduce of the parts."""
+        chosen, weights = _local_choices(self, top_k_index, top_k_weights)
         if top_k_index.numel() < self.num_experts:
-            out = _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
+            out = _gathered_experts(self, hidden_states, chosen if self.group is None else chosen.clamp(max=self.num_experts - 1), weights)
         else:
-            out = _each_expert(self, hidden_states, top_k_index, top_k_weights, range(self.num_experts))
-        return out.to(hidden_states.dtype)
+            out = _each_expert(self, hidden_states, chosen, weights, range(self.num_experts), None if self.group is None else torch.float32)
+        return _summed(self, out, hidden_states.dtype)
 
     compiled_forward.__qualname__ = f"{base.__name__}.compiled_forward"
-    return type(base.__name__, (base,), {"compiled_forward": compiled_forward, "__module__": __name__})
+    # group: the ranks' group where the module holds one rank's experts (hf_parallel.split_experts)
+    return type(base.__name__, (base,), {"compiled_forward": compiled_forward, "group": None, "__module__": __name__})
 
 
 def _register_experts() -> None:
@@ -519,8 +541,13 @@ class TransformersCausalLM(CausalLM):
         _register_experts()
         _register_config_freezer()
         self.config = config
-        hf_config = _hf_config(config.model_type, config.hf, "config.json")
         model_class = _model_class(config.model_type, config.architecture)
+        degree = config.parallel.tensor_parallel
+        fields = config.hf
+        if degree > 1:  # the rank's sizes, from the whole model's (aotc.models.hf_parallel)
+            whole = _hf_config(config.model_type, config.hf, "config.json")
+            fields = hf_parallel.local_fields(config.hf, whole, degree)
+        hf_config = _hf_config(config.model_type, fields, "config.json")
         try:
             with _default_dtype(config.dtype):
                 hf = model_class(hf_config)
@@ -539,6 +566,8 @@ class TransformersCausalLM(CausalLM):
         for module in hf.modules():  # experts that run through the ExpertsInterface: compiled, gathered
             if _is_experts(module):
                 module.__class__ = _experts_class(type(module))
+        if config.parallel.expert_parallel > 1:
+            self._split_experts()
         self.contract = _learn(hf, self.layer_modules, config)
         rows = _fp8_rows(config, self.contract)
         code = code_identity(config.model_type, config.architecture)
@@ -548,6 +577,55 @@ class TransformersCausalLM(CausalLM):
         if type(head) is nn.Linear:
             head.__class__ = LMHead
             head.__dict__["aotc_code"] = code
+        self.tied_head: tuple[str, str] | None = None  # a rank's head: (its path, the embedding's it reads its rows of)
+        if degree > 1:
+            self._split(model_class, whole, head)
+
+    def _split(self, model_class: type, whole, head: nn.Module) -> None:
+        """A rank's modules sum and gather across the ranks where transformers' plan splits them (aotc.models.hf_parallel)."""
+        config = self.config
+        if not isinstance(head, LMHead):
+            raise ConfigError(f"--tensor-parallel: {config.architecture}'s LM head is a {type(head).__name__}, not a linear layer; aotc splits a linear head by vocabulary")
+        group = parallel.group_name(config.parallel)
+        specs = type(self).shard_specs(config, config.parallel.world_size)
+        # The rank's rows of the vocabulary (the config's vocab_size is the embedding's too)
+        rows = head.out_features // config.parallel.world_size
+        head.weight = nn.Parameter(head.weight.new_empty(rows, head.in_features), requires_grad=False)
+        if head.bias is not None:
+            head.bias = nn.Parameter(head.bias.new_empty(rows), requires_grad=False)
+        head.out_features = rows
+        head.register_buffer("rank_index", head.weight.new_empty(1, dtype=torch.long), persistent=False)
+        hf_parallel.place(self, specs, hf_parallel.full_shapes(model_class, config.hf, config.model_type), group, config.parallel.world_size, config.architecture)
+        head.group = group
+        if getattr(whole, "tie_word_embeddings", False):
+            paths = {m: n for n, m in self.named_modules()}
+            self.tied_head = (f"{paths[head]}.weight", f"{paths[self.hf.get_input_embeddings()]}.weight")
+
+    def _split_experts(self) -> None:
+        """Each experts module holds the rank's experts, summed across the ranks (aotc.models.hf_parallel); attention is whole on every rank."""
+        layout = self.config.parallel
+        if parallel.data_parallel(layout):
+            raise ConfigError(f"--data-parallel-attention: aotc's generic path runs attention whole on every rank; build {self.config.architecture} without it")
+        specs = type(self).expert_specs(self.config, layout.world_size)
+        group = parallel.group_name(layout)
+        for path, module in self.named_modules():
+            if _is_experts(module):
+                hf_parallel.split_experts(module, path, specs, layout.world_size, group)
+
+    @classmethod
+    def expert_specs(cls, config: TransformersConfig, degree: int):
+        whole = _hf_config(config.model_type, config.hf, "config.json")
+        return hf_parallel.expert_specs(_model_class(config.model_type, config.architecture), config.hf, whole, config.architecture, degree)
+
+    @classmethod
+    def shard_specs(cls, config: TransformersConfig, degree: int):
+        whole = _hf_config(config.model_type, config.hf, "config.json")
+        return hf_parallel.shard_specs(_model_class(config.model_type, config.architecture), config.hf, whole, config.architecture, degree)
+
+    def checkpoint_name(self, param: str) -> str:
+        if self.tied_head is not None and param == self.tied_head[0]:
+            return self.tied_head[1]  # a rank's part of the tied embedding
+        return param
 
     @classmethod
     def code_identity(cls, config: dict) -> dict:
@@ -587,12 +665,16 @@ class TransformersCausalLM(CausalLM):
             t._is_hf_initialized = True
         with torch.no_grad():
             for module in self.hf.modules():
-                if module._non_persistent_buffers_set:
+                if module._non_persistent_buffers_set - {"expert_map", "rank_index"}:  # transformers' own
                     for name in module._non_persistent_buffers_set:
                         buf = module._buffers.get(name)
                         if buf is not None:
                             buf._is_hf_initialized = False
                     self.hf._init_weights(module)
+                if _is_experts(module) and module.group is not None:
+                    hf_parallel.init_expert_map(module, self.config.rank)
+                if isinstance(module, LMHead) and module.group is not None:
+                    module.rank_index = torch.tensor([self.config.rank])
 
     # -- caches ------------------------------------------------------------------
     def cache_specs(self, slots, max_seq):
@@ -904,15 +986,27 @@ def _layer_class(base: type, contract: Contract) -> type:
 
 
 class LMHead(nn.Linear):
-    """A transformers model's LM head, compiled as an entry (`project`)."""
+    """A transformers model's LM head, compiled as an entry (`project`). Across ranks
+    (`group`), each holds its rows of the vocabulary and the logits are gathered: by an
+    all-reduce of each rank's logits placed at its block (`rank_index`, a buffer: one
+    graph for every rank). AOTInductor runs an all-gather through its proxy executor,
+    which hands gloo Python tensors; gloo's worker then lets go of them under the GIL
+    that the next graph holds while it waits for its own all-reduce, and the ranks hung
+    (torch 2.13, parallel.settled)."""
+
+    group: str | None = None
 
     @entry(bucket="batch")
     def project(self, x):
-        return F.linear(x, self.weight, self.bias)
+        logits = F.linear(x, self.weight, self.bias)  # [B, V / ranks]
+        if self.group is None:
+            return logits
+        every = parallel.all_gather_rows(logits, self.group, self.rank_index)  # [ranks * B, V / ranks]
+        return every.view(-1, *logits.shape).transpose(0, 1).reshape(logits.shape[0], -1)
 
     def forward(self, x):
         shape = x.shape
-        return self.project(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+        return self.project(x.reshape(-1, shape[-1])).view(*shape[:-1], -1)
 
     def example_inputs(self, method, rows, shapes):
         return (torch.zeros(rows, self.in_features, dtype=self.weight.dtype),)
