@@ -90,7 +90,7 @@ def init_tiny(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
     force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds files."),
-    quantize: str = typer.Option("none", "--quantize", help="none | fp8 (the decoder layers' linear weights as float8_e4m3fn, a scale per 128x128 block) | fp4-experts (also routed experts as packed fp4, an E8M0 scale per 32: DeepSeek V4)."),
+    quantize: str = typer.Option("none", "--quantize", help="none | fp8 (the decoder layers' linear weights as float8_e4m3fn, a scale per 128x128 block) | fp4-experts (also routed experts as packed fp4, an E8M0 scale per 32: DeepSeek V4) | int8 (the decoder layers' linear weights as int8, a float32 scale per 32 inputs)."),
     checkpoint_layout: str = typer.Option("hf", "--checkpoint-layout", help="hf (Hugging Face names, float32 weight_scale_inv) | deepseek (DeepSeek's names, E8M0 .scale)."),
     plugin: list[str] = PLUGIN,
 ):
@@ -109,12 +109,12 @@ def init_tiny(
     console.print(f"wrote {arch} model with {layers} layers{'' if quantize == 'none' else f', {quantize} weights'} to {path}", markup=False)
 
 
-@app.command(short_help="Write a low-precision (fp8, fp4) checkpoint of a model folder.")
+@app.command(short_help="Write a low-precision (fp8, fp4, int8) checkpoint of a model folder.")
 def quantize(
     model: str = typer.Argument(..., help="A bf16 or fp32 model folder, or a Hugging Face Hub id (ORG/NAME) in the local cache."),
     out: Path = typer.Option(..., "-o", "--out", help="Folder to write: new or empty, outside MODEL."),
-    fmt: str = typer.Option("fp8", "--format", help="fp8 (the decoder layers' linear weights as float8_e4m3fn, a float32 scale per 128x128 block) | fp4-experts (also the routed experts as packed fp4, an E8M0 scale per 32)."),
-    head: str = typer.Option("keep", "--head", help="keep (the LM head at the source precision) | fp8 (the head too, as llama.cpp's Q8_0 does; a head tied to the embedding is written as its own tensor, the embedding kept)."),
+    fmt: str = typer.Option("fp8", "--format", help="fp8 (the decoder layers' linear weights as float8_e4m3fn, a float32 scale per 128x128 block) | fp4-experts (also the routed experts as packed fp4, an E8M0 scale per 32) | int8 (the decoder layers' linear weights and the LM head as int8, a float32 scale per 32 inputs: llama.cpp's Q8_0 grid, activations unrounded)."),
+    head: Optional[str] = typer.Option(None, "--head", help="keep (the LM head at the source precision; fp8's default) | fp8 | int8 (the head in the layers' format, as llama.cpp's Q8_0 does; int8's default; a head tied to the embedding is written as its own tensor, the embedding kept)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With a Hub id: a branch, tag or commit."),
     plugin: list[str] = PLUGIN,
 ):
@@ -132,7 +132,7 @@ def quantize(
         _fail(e)
     except OSError as e:  # a full or read-only disk: the folder is written under a temporary name, renamed when whole
         _fail(_disk_error(e))
-    counts = {f: sum(1 for v in done.tensors.values() if v == f) for f in ("fp8", "fp4")}
+    counts = {f: sum(1 for v in done.tensors.values() if v == f) for f in ("fp8", "fp4", "int8")}
     what = " and ".join(f"{n} tensors to {f}" for f, n in counts.items() if n)
     console.print(f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False, markup=False)
     console.print(f"LM head: {done.head}", highlight=False, markup=False)

@@ -72,7 +72,7 @@ DEFAULT_ARTIFACTS = Path("artifacts")
 BucketKind = Literal["batch", "chunk"]
 # Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
 TransformName = Literal["stack"]
-StoredFormat = Literal["fp8", "fp4"]  # aotc.quant
+StoredFormat = Literal["fp8", "fp4", "int8"]  # aotc.quant
 StoredPart = Literal["values", "scale"]
 Fp8Reading = Literal["e4m3fn", "e4m3"]  # how the target reads float8_e4m3fn bytes (aotc.fp8)
 Form = Literal["static", "unbacked"]

@@ -7,6 +7,10 @@ Two formats, as DeepSeek publishes them and as other engines load them:
   exponent byte).
 - "fp4": e2m1 values packed two to a byte, [out, in/2] (the first of each
   pair in the low nibble), with one E8M0 scale per 32 input values, [out, in/32].
+- "int8": int8 values [out, in] with one float32 scale per 32 input values,
+  [out, in/32]: llama.cpp's Q8_0 weight grid (symmetric, scale = amax / 127),
+  with a float32 scale where Q8_0 keeps an fp16 one. Weight-only: activations
+  stay in the model's dtype, where Q8_0 also rounds them to int8.
 
 Scales are the factor the values are multiplied by (DeepSeek's `.scale`, the
 Hugging Face `weight_scale_inv`). E8M0 scales travel as their exponent bytes
@@ -27,7 +31,12 @@ from .fp8 import E4M3FN_MAX, quantize_fp8
 
 FP8_BLOCK = (128, 128)
 FP4_BLOCK = (1, 32)
-BLOCKS: dict[str, tuple[int, int]] = {"fp8": FP8_BLOCK, "fp4": FP4_BLOCK}
+INT8_BLOCK = (1, 32)
+BLOCKS: dict[str, tuple[int, int]] = {"fp8": FP8_BLOCK, "fp4": FP4_BLOCK, "int8": INT8_BLOCK}
+INT8_MAX = 127
+# config.json's quantization_config of an int8 checkpoint: no transformers quantizer
+# reads this layout, so the method is aotc's own.
+INT8_CONFIG = {"quant_method": "aotc", "fmt": "int8", "weight_block_size": list(INT8_BLOCK)}
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # by the magnitude nibble 0..7
 
@@ -79,10 +88,26 @@ def dequantize(fmt: str, values: torch.Tensor, scale: torch.Tensor, dtype: torch
         v = values.to(torch.float32)
     elif fmt == "fp4":
         v = decode_e2m1(unpack_fp4(values))
+    elif fmt == "int8":
+        return _dequantize_int8(values, scale, dtype)
     else:
         raise ValueError(f"unknown stored format {fmt!r}; known: {', '.join(BLOCKS)}")
     rows, cols = v.shape[-2:]
     return (v * _expand(scale_factors(scale), rows, cols, BLOCKS[fmt])).to(dtype)
+
+
+def _dequantize_int8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Each scale times its group of 32 ([..., rows, groups, 32] by [..., rows, groups, 1]),
+    # the values zero-padded to whole groups: a scale expanded and cut to a last partial
+    # group (_expand) is miscompiled by Inductor (torch 2.13: reads past the scales).
+    # Graphs take the bytes as uint8 (checkpoint.stored_dtype).
+    v = (values.view(torch.int8) if values.dtype == torch.uint8 else values).to(torch.float32)
+    *lead, rows, cols = v.shape
+    groups = scale.shape[-1]
+    if groups * INT8_BLOCK[1] != cols:
+        v = torch.nn.functional.pad(v, (0, groups * INT8_BLOCK[1] - cols))
+    w = (v.view(*lead, rows, groups, INT8_BLOCK[1]) * scale_factors(scale)[..., None]).flatten(-2)
+    return (w if w.shape[-1] == cols else w[..., :cols]).to(dtype)
 
 
 # -- quantizing (aotc init --quantize; tests) -------------------------------------
@@ -128,20 +153,32 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), scale
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] -> (int8 values, float32 scales [out, ceil(in/32)]): each value
+    round(w / scale), scale = the block's amax / 127 (ties to even; a last block of fewer
+    than 32 inputs scales those it has)."""
+    scale = block_scales(w, INT8_BLOCK, INT8_MAX, e8m0=False)
+    q = torch.round(w.float() / _expand(scale, *w.shape, INT8_BLOCK)).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
 def quantize(fmt: str, w: torch.Tensor, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt == "fp8":
         return quantize_fp8_blocks(w, e8m0)
+    if fmt == "int8":
+        return quantize_int8(w)
     return quantize_fp4(w)
 
 
 def layer_formats(model: nn.Module, quantize: str, option: str) -> dict[str, str]:
-    """Parameter -> stored format for `quantize` ("fp8" | "fp4-experts"): the weights of
-    the decoder layers' linear layers, fp8; with fp4-experts the routed experts' (modules
-    under .experts.) fp4. `option` names the flag in the error of a model with no experts."""
+    """Parameter -> stored format for `quantize` ("fp8" | "fp4-experts" | "int8"): the
+    weights of the decoder layers' linear layers, fp8 (int8); with fp4-experts the routed
+    experts' (modules under .experts.) fp4. `option` names the flag in the error of a
+    model with no experts."""
     out = {}
     for path, m in model.named_modules():
         if isinstance(m, nn.Linear) and ".layers." in f".{path}":
-            out[f"{path}.weight"] = "fp4" if quantize == "fp4-experts" and ".experts." in f"{path}." else "fp8"
+            out[f"{path}.weight"] = "fp4" if quantize == "fp4-experts" and ".experts." in f"{path}." else "int8" if quantize == "int8" else "fp8"
     if quantize == "fp4-experts" and "fp4" not in out.values():
         raise ConfigError(f"{option} fp4-experts: {type(model).__name__} has no routed experts (linear modules under .experts.); use {option} fp8")
     return out

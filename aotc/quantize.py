@@ -8,10 +8,12 @@ config.json), as llama.cpp's `llama-quantize` writes a GGUF:
   per 128 x 128 block.
 - "fp4-experts": as fp8, and the routed experts' (modules under `.experts.`) as
   packed e2m1 with an E8M0 scale per 32 inputs (DeepSeek V4's published form).
+- "int8": the decoder layers' linear weights as int8 with a float32 scale per 32
+  inputs (llama.cpp's Q8_0 weight grid), and the LM head too by default.
 
-The LM head stays at the source precision by default (`head="keep"`, as `aotc init
-tiny --quantize` writes it); `head="fp8"` quantizes it too, as llama.cpp's Q8_0
-does: decode reads the head's bytes every token, so an fp8 head reads a quarter of
+With fp8 the LM head stays at the source precision by default (`head="keep"`, as
+`aotc init tiny --quantize` writes it); `head="fp8"` quantizes it too, as int8 does
+by default and llama.cpp's Q8_0 does: decode reads the head's bytes every token, so an fp8 head reads a quarter of
 fp32's. Where the head is tied to the embedding, it is then written as a tensor of
 its own (config `tie_word_embeddings: false`) and the embedding keeps the source
 precision: a lookup reads one row a token, so an fp8 embedding would save disk, not
@@ -43,8 +45,10 @@ from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
 from .models.config import read_config
 
-FORMATS = ("fp8", "fp4-experts")
-HEADS = ("keep", "fp8")
+FORMATS = ("fp8", "fp4-experts", "int8")
+HEADS = ("keep", "fp8", "int8")
+# The head's format where --head is not given: int8 quantizes it, as Q8_0 does.
+DEFAULT_HEAD = {"fp8": "keep", "fp4-experts": "keep", "int8": "int8"}
 HEAD_NAMES = ("lm_head.weight", "head.weight")  # the head's checkpoint names (Hugging Face's, DeepSeek's)
 LOW_PRECISION = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2, torch.float8_e8m0fnu)
 
@@ -62,12 +66,17 @@ class Quantized:
     head: str = ""  # what became of the LM head, in words
 
 
-def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str = "keep") -> Quantized:
-    """Write `out`, a copy of the model folder `source` with its weights in `fmt`."""
+def quantize_model(source: Path | str, out: Path | str, fmt: str, head: str | None = None) -> Quantized:
+    """Write `out`, a copy of the model folder `source` with its weights in `fmt`; the head
+    as `head` says (keep, or the layers' format; default: DEFAULT_HEAD)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    head = DEFAULT_HEAD[fmt] if head is None else head
     if head not in HEADS:
         raise ConfigError(f"--head {head}: expected one of {', '.join(HEADS)}")
+    layers = "int8" if fmt == "int8" else "fp8"
+    if head not in ("keep", layers):
+        raise ConfigError(f"--head {head} with --format {fmt}: the head is kept or takes the layers' format; pass --head keep or --head {layers}")
     source, out = Path(source), Path(out)
     _check_paths(source, out)
     config = read_config(source)  # a bad config.json is refused naming it, as build refuses it
@@ -97,11 +106,14 @@ def _write(checkpoint: Checkpoint, plan: "_Plan", source: Path, out: Path, confi
     try:
         weight_map = _write_shards(checkpoint, plan, tmp, result)
         _copy_files(source, tmp)
-        config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(quant.FP8_BLOCK),
-            # transformers' FineGrainedFP8 reads every other linear as quantized
-            "modules_to_not_convert": sorted(plan.not_converted),
-        }  # fmt: skip
+        # transformers' FineGrainedFP8 reads every linear not in modules_to_not_convert as quantized
+        if fmt == "int8":
+            config["quantization_config"] = {**quant.INT8_CONFIG, "modules_to_not_convert": sorted(plan.not_converted)}
+        else:
+            config["quantization_config"] = {
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(quant.FP8_BLOCK),
+                "modules_to_not_convert": sorted(plan.not_converted),
+            }  # fmt: skip
         if fmt == "fp4-experts":
             config["expert_dtype"] = "fp4"
         if plan.untie is not None:
@@ -173,11 +185,11 @@ def _plan(model, checkpoint: Checkpoint, fmt: str, head: str) -> _Plan:
         not_converted.add(_module_name(checkpoint_names(model, head_param)[0]))
     elif head_param in tied:
         untie = (checkpoint_names(model, head_param)[0], sources[tied[head_param]])
-        formats[untie[0]] = "fp8"
-        words = f"fp8, untied from the embedding {untie[1]!r}, which stays {_dtype(checkpoint, untie[1])}"
+        formats[untie[0]] = head
+        words = f"{head}, untied from the embedding {untie[1]!r}, which stays {_dtype(checkpoint, untie[1])}"
     else:
-        formats[sources[head_param]] = "fp8"
-        words = "fp8"
+        formats[sources[head_param]] = head
+        words = head
     return _Plan(formats, untie, not_converted, words)
 
 

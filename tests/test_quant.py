@@ -105,6 +105,7 @@ def models(tmp_path_factory):
     return {
         "llama": write_tiny(root / "llama-fp8", layers=2, quantize="fp8"),
         "v4": write_tiny(root / "v4-fp4", arch="deepseek_v4", layers=3, quantize="fp4-experts", layout="deepseek"),
+        "llama-int8": write_tiny(root / "llama-int8", layers=2, quantize="int8"),
     }
 
 
@@ -172,7 +173,7 @@ def check_bundle(model_dir, backend, tmp_path, buckets=(1, 3), monkeypatch=None)
     out = build(BuildOptions(model_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(16,), max_seq=64, backend=backend))
     stored = [w for e in out.manifest.entries for w in e.weights if w.stored]
     assert stored, "no weight entered the graphs as stored"
-    assert all(w.dtype == {"fp8": "float8_e4m3fn", "fp4": "uint8"}[w.stored.format] for w in stored if w.stored.part == "values")
+    assert all(w.dtype == {"fp8": "float8_e4m3fn", "fp4": "uint8", "int8": "uint8"}[w.stored.format] for w in stored if w.stored.part == "values")
     bundle = Bundle.load(out.out)
     model = load_model(model_dir, stored=True).model
     for prompts in (PROMPTS[:1], PROMPTS):
@@ -200,6 +201,35 @@ def test_fp8_llama_compiled_equals_eager(models, tmp_path, backend, monkeypatch)
     if backend == "inductor":  # the CPU decodes fp8 by moving bits: every fp8 weight of a layer
         decode = next(e for e in out.manifest.entries if e.id == "LlamaDecoderLayer.decode")
         assert all({p.name: p.changes for p in a.passes}["decode_fp8_bits"] == 7 for a in decode.artifacts)
+
+
+# export in CI; inductor (about 40 s of compiling) and xla under slow. Inductor's C++ for the
+# dequantization itself runs in CI: test_dequantize_int8_every_value_and_a_partial_group.
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)])
+def test_int8_llama_compiled_equals_eager(models, tmp_path, backend):
+    """int8 weights with a scale per 32 inputs, down_proj's 688 inputs ending in a partial
+    group: every token of the bundle equal to eager's (the same weights dequantized at load)."""
+    out = check_bundle(models["llama-int8"], backend, tmp_path)
+    formats = {w.stored.format for e in out.manifest.entries for w in e.weights if w.stored}
+    assert formats == {"int8"}
+
+
+def test_dequantize_int8_every_value_and_a_partial_group():
+    """Every int8 value (as the uint8 bytes graphs take) times its group's scale, a row of
+    40 inputs: one group of 32, one of 8; the same in Inductor's C++ (torch 2.13 miscompiled
+    a scale expanded and cut to the partial group: it read past the scales)."""
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)[:80].view(2, 40)
+    scale = torch.tensor([[0.5, 3.0], [0.25, -1.0]])
+    expected = values.float() * torch.tensor([[0.5] * 32 + [3.0] * 8, [0.25] * 32 + [-1.0] * 8])
+    for stored in (values, values.view(torch.uint8)):
+        torch.testing.assert_close(quant.dequantize("int8", stored, scale, torch.float32), expected, rtol=0, atol=0)
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randint(-127, 128, (64, 688), generator=g, dtype=torch.int8).view(torch.uint8)
+    scales = torch.rand(64, 22, generator=g)
+    compiled = torch.compile(lambda v, s: quant.dequantize("int8", v, s, torch.float32), backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(wide, scales), quant.dequantize("int8", wide, scales, torch.float32), rtol=0, atol=0)
+    v, s = quant.quantize_int8(torch.tensor([[1.0, -2.0, 0.5] + [0.0] * 29 + [7.0]]))
+    assert v.tolist() == [[64, -127, 32] + [0] * 29 + [127]] and s.shape == (1, 2)  # 63.5 rounds to even: 64
 
 
 @pytest.mark.parametrize("second", ["plain", "e8m0-scales"])

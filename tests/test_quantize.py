@@ -193,11 +193,27 @@ def fp4_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), exponents
 
 
+def int8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Int8 values and float32 scales, one per 32 inputs of a row (the last group of a row
+    whose length is no multiple of 32: the inputs it has): scale = amax / 127 in float32;
+    values = w / scale rounded to nearest, ties to even (np.rint), clamped to +-127."""
+    rows, cols = w.shape
+    values = np.zeros(w.shape, np.int8)
+    scales = np.zeros((rows, -(-cols // 32)), np.float32)
+    for r in range(rows):
+        for b in range(0, cols, 32):
+            block = w[r, b : b + 32].astype(np.float32)
+            scale = np.float32(max(np.abs(block).max(), np.float32(2.0**-100))) / np.float32(127.0)
+            scales[r, b // 32] = scale
+            values[r, b : b + 32] = np.clip(np.rint(block / scale), -127, 127).astype(np.int8)
+    return values, scales
+
+
 def raw(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy()
 
 
-@pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp4-experts")])
+@pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp4-experts"), ("llama", "int8")])
 def test_the_quantized_bytes_are_the_formats_own_computed_apart_from_aotc(tmp_path, arch, fmt):
     """Every quantized tensor's values and scales, byte for byte, against the formats
     computed in this test from the source weights (numpy, ml_dtypes), not by aotc.quant;
@@ -217,11 +233,15 @@ def test_the_quantized_bytes_are_the_formats_own_computed_apart_from_aotc(tmp_pa
     assert made.bytes_in == sum(src[n].numel() * src[n].element_size() for n in made.tensors)
     assert made.bytes_out == sum(got[n].numel() * got[n].element_size() + got[f"{n}_scale_inv"].numel() * got[f"{n}_scale_inv"].element_size() for n in made.tensors)
     not_converted = json.loads((made.out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
-    assert not_converted == (["lm_head"] if arch == "llama" else ["head"])  # the head, kept at the source precision
-    assert made.tensors and set(made.tensors.values()) == ({"fp8", "fp4"} if fmt == "fp4-experts" else {"fp8"})
+    if fmt == "int8":  # the head too, by default, as Q8_0
+        assert not_converted == [] and made.tensors["lm_head.weight"] == "int8" and made.head == "int8"
+        assert json.loads((made.out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [1, 32]
+    else:
+        assert not_converted == (["lm_head"] if arch == "llama" else ["head"])  # the head, kept at the source precision
+    assert made.tensors and set(made.tensors.values()) == ({"fp8", "fp4"} if fmt == "fp4-experts" else {fmt})
     for name, kind in made.tensors.items():
         w = src[name].float().numpy()
-        values, scales = fp4_blocks(w) if kind == "fp4" else fp8_blocks(w)
+        values, scales = {"fp4": fp4_blocks, "fp8": fp8_blocks, "int8": int8_blocks}[kind](w)
         assert np.array_equal(raw(got[name]), values.view(np.uint8)), name
         assert np.array_equal(raw(got[f"{name}_scale_inv"]), scales.view(np.uint8)), name
 

@@ -269,18 +269,20 @@ def _check_layer_count(config, checkpoint: Checkpoint) -> None:
 
 
 def _check_quantization(config: dict, source: Path) -> None:
-    """A quantization_config must say what aotc reads: fp8 scales per 128 x 128 block (the
-    scales' shapes are checked against that block, which the config must not contradict)."""
+    """A quantization_config must say what aotc reads: fp8 scales per 128 x 128 block, int8
+    (fmt "int8") per 1 x 32 (the scales' shapes are checked against that block, which the
+    config must not contradict)."""
     q = config.get("quantization_config")
     if q is None:
         return
     if not isinstance(q, dict):
         raise ConfigError(f"{source}: field 'quantization_config' is {type(q).__name__}; expected an object")
-    block = q.get("weight_block_size")
-    if block is not None and block != list(quant.FP8_BLOCK):
+    fmt = "int8" if q.get("fmt") == "int8" else "fp8"
+    block, expected = q.get("weight_block_size"), quant.BLOCKS[fmt]
+    if block is not None and block != list(expected):
         raise ConfigError(
-            f"{source}: quantization_config.weight_block_size is {block!r}; aotc reads fp8 weights with a scale per "
-            f"{quant.FP8_BLOCK[0]}x{quant.FP8_BLOCK[1]} block. Re-quantize with that block, or dequantize the checkpoint"
+            f"{source}: quantization_config.weight_block_size is {block!r}; aotc reads {fmt} weights with a scale per "
+            f"{expected[0]}x{expected[1]} block. Re-quantize with that block, or dequantize the checkpoint"
         )
 
 

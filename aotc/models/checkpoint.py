@@ -172,7 +172,7 @@ class Merged:
 class StoredInfo:
     """A weight the checkpoint stores in low precision (aotc.quant)."""
 
-    format: str  # "fp8" | "fp4"
+    format: str  # "fp8" | "fp4" | "int8"
     values: str  # checkpoint tensor names
     scale: str
 
@@ -188,7 +188,7 @@ def scale_names(name: str) -> list[str]:
 
 def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> StoredInfo | None:
     """How the checkpoint stores the weight `name` of `shape` (the model's): None when
-    as a plain tensor; else fp8 values with block scales, or packed fp4 with scales
+    as a plain tensor; else fp8 values with block scales, packed fp4 or int8 with scales
     per 32. The values' and the scales' shapes are checked against `shape`."""
     info = checkpoint.info(name)
     scale = next((s for s in scale_names(name) if s in checkpoint.tensors), None)
@@ -197,6 +197,8 @@ def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> St
         if info.dtype == torch.float8_e5m2:
             raise WeightsError(f"{info.file}: {name!r} is float8_e5m2; aotc reads fp8 weights as float8_e4m3fn (F8_E4M3) with block scales")
         fmt = "fp8"
+    elif scale is not None and info.dtype == torch.int8 and info.shape == tuple(shape) and len(shape) >= 2:
+        fmt = "int8"
     elif scale is not None and info.dtype == torch.float4_e2m1fn_x2 and info.shape == tuple(shape):
         fmt = "fp4"  # safetensors' F4 header gives the unpacked shape
     elif scale is not None and info.dtype in (torch.uint8, torch.int8) and info.shape == packed_shape and len(shape) >= 2:

@@ -1,6 +1,6 @@
-"""lowp: batch-1 decode of the ~100M model (tiny under --quick) with fp8 weights (stored
-as the checkpoint has them, decoded in the graph) against the same model in fp32 and in
-bf16, aotc inductor (or --backend): ms per step and GB/s of the bytes stored; resident
+"""lowp: batch-1 decode of the ~100M model (tiny under --quick) with fp8 and int8 weights
+(stored as the checkpoint has them, decoded in the graph) against the same model in fp32
+and in bf16, aotc inductor (or --backend): ms per step and GB/s of the bytes stored; resident
 memory of `aotc run` after load against the checkpoint and against dequantizing at load;
 eager fp8 against eager fp32 (max logit difference, greedy agreement over 200 tokens)."""
 
@@ -19,7 +19,10 @@ from common import M100, MAX_SEQ, POSITION, Run, section, table, timeit
 
 LOWP_TOKENS = 200
 # The checkpoint each row's label names: write_tiny's arguments.
-FORMATS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"), "fp8": dict(dtype="float32", quantize="fp8")}
+FORMATS = {
+    "fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"), "fp8": dict(dtype="float32", quantize="fp8"),
+    "int8": dict(dtype="float32", quantize="int8"),  # int8 values (graphs take their bytes as uint8), a float32 scale per 32
+}  # fmt: skip
 # `aotc run`'s loading, in a fresh process: bundle, model as bind needs it, bind, a step; then RSS.
 _LOAD_RSS = r"""
 import sys, torch
