@@ -121,7 +121,8 @@ def test_bad_inputs_are_refused_naming_them_and_leave_nothing_behind(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     cases = [
         (dict(source=source, out=tmp_path / "o", fmt="int4"), ConfigError, "--format int4: expected one of fp8, fp4-experts"),
-        (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int8"), ConfigError, "--head int8: expected one of keep, fp8"),
+        (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int8"), ConfigError, "--head int8 with --format fp8: the head is kept or takes the layers' format; pass --head keep or --head fp8"),
+        (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int4"), ConfigError, "--head int4: expected one of keep, fp8, int8"),
         (dict(source=source, out=source, fmt="fp8"), ConfigError, "inside the source folder"),
         (dict(source=source, out=source / "q", fmt="fp8"), ConfigError, "inside the source folder"),
         (dict(source=source, out=tmp_path, fmt="fp8"), ConfigError, "holds the source folder"),

@@ -334,14 +334,14 @@ def _experts(module, hidden_states, top_k_index, top_k_weights):
         raise ConfigError(f"{type(module).__qualname__} is expert-parallel in transformers' own way; aotc splits experts itself (--expert-parallel)")
     chosen, weights = _local_choices(module, top_k_index, top_k_weights)
     hit = [e for e in chosen.unique().tolist() if e < module.num_experts]  # eager only: the compiled form loops over every expert
-    dtype = None if module.group is None else torch.float32
+    dtype = None if getattr(module, "group", None) is None else torch.float32
     return _summed(module, _each_expert(module, hidden_states, chosen, weights, hit, dtype), hidden_states.dtype)
 
 
 def _local_choices(module, chosen, weights):
     """The router's choices as this rank's experts (num_experts, its count: another rank's)
     and their weights, 0 for another rank's (--expert-parallel); on one rank, unchanged."""
-    if module.group is None:
+    if getattr(module, "group", None) is None:  # one rank (or transformers' own experts class)
         return chosen, weights
     local = module.expert_map[chosen]
     return local, weights * (local < module.num_experts)
@@ -349,7 +349,8 @@ def _local_choices(module, chosen, weights):
 
 def _summed(module, out, dtype):
     """The experts' output: on several ranks, every rank's part summed (one fp32 all-reduce)."""
-    return out.to(dtype) if module.group is None else parallel.all_reduce(out.float(), module.group).to(dtype)
+    group = getattr(module, "group", None)
+    return out.to(dtype) if group is None else parallel.all_reduce(out.float(), group).to(dtype)
 
 
 def _expert_linear(module, x, weight, bias):
