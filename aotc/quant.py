@@ -1,6 +1,7 @@
 """Low-precision checkpoint weights: their stored formats, dequantize, quantize.
 
-Two formats, as DeepSeek publishes them and as other engines load them:
+Three formats, as DeepSeek publishes them (fp8, fp4) and as llama.cpp's Q8_0 grids
+its weights (int8):
 
 - "fp8": float8_e4m3fn values [out, in] with one scale per 128 x 128 block,
   [ceil(out/128), ceil(in/128)]: float32, or E8M0 (a power of two, its
@@ -8,7 +9,7 @@ Two formats, as DeepSeek publishes them and as other engines load them:
 - "fp4": e2m1 values packed two to a byte, [out, in/2] (the first of each
   pair in the low nibble), with one E8M0 scale per 32 input values, [out, in/32].
 - "int8": int8 values [out, in] with one float32 scale per 32 input values,
-  [out, in/32]: llama.cpp's Q8_0 weight grid (symmetric, scale = amax / 127),
+  [out, ceil(in/32)]: llama.cpp's Q8_0 weight grid (symmetric, scale = amax / 127),
   with a float32 scale where Q8_0 keeps an fp16 one. Weight-only: activations
   stay in the model's dtype, where Q8_0 also rounds them to int8.
 

@@ -219,6 +219,11 @@ def test_a_model_or_degree_that_does_not_split_is_refused_naming_why(name, degre
         load_model(save(name, tmp_path / name), layout=layout, weights=False)
 
 
+def test_data_parallel_attention_is_refused_on_the_generic_path(tmp_path):
+    with pytest.raises(AotcError, match=r"--data-parallel-attention: aotc's generic path runs attention whole on every rank; build MixtralForCausalLM without it"):
+        load_model(save("mixtral", tmp_path / "m"), layout=parallel.record(1, experts=2, data_parallel_attention=True), weights=False)
+
+
 def test_a_style_aotc_cannot_take_is_refused_naming_it_and_the_module(tmp_path, monkeypatch):
     plan = {**transformers.Qwen3Config.base_model_tp_plan, "layers.*.mlp.down_proj": "packed_rowwise"}
     monkeypatch.setattr(transformers.Qwen3Config, "base_model_tp_plan", plan)

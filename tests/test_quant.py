@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from aotc import fp8, quant
 from aotc.build import BuildOptions, build
 from aotc.cli import app
-from aotc.errors import BundleError, WeightsError
+from aotc.errors import BundleError, ConfigError, WeightsError
 from aotc.layout import stored_of
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
@@ -162,6 +162,14 @@ def test_checkpoint_errors(models, tmp_path):
     save_file(tensors, bad / "model.safetensors")
     with pytest.raises(WeightsError, match=r"has shape \[3, 3\], expected \[6, 2\] \(one scale per 128x128 block of \[688, 256\]\)"):
         load_model(bad, weights=False)
+    # an int8 config whose block is not aotc's per-32
+    int8 = tmp_path / "int8"
+    shutil.copytree(models["llama-int8"], int8)
+    config = json.loads((int8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [1, 64]
+    (int8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"quantization_config\.weight_block_size is \[1, 64\]; aotc reads int8 weights with a scale per 1x32 block"):
+        load_model(int8, weights=False)
 
 
 # -- compiled against eager ------------------------------------------------------------

@@ -91,8 +91,9 @@ def write_model(
     quantize="fp8": the decoder layers' linear weights as float8_e4m3fn with a scale
     per 128 x 128 block, as DeepSeek publishes them; "fp4-experts": the routed
     experts' as packed fp4 with an E8M0 scale per 32 inputs, the rest fp8 (DeepSeek
-    V4); "int8": int8 with a float32 scale per 32 inputs (Q8_0's grid). layout="hf": Hugging Face names, float32 `weight_scale_inv`; "deepseek":
-    DeepSeek's own names, E8M0 `.scale`. head_std=0.02 draws the LM head as transformers
+    V4); "int8": int8 with a float32 scale per 32 inputs (Q8_0's grid). layout="hf":
+    Hugging Face names, float32 `weight_scale_inv`; "deepseek": DeepSeek's own names,
+    E8M0 `.scale`. head_std=0.02 draws the LM head as transformers
     initialises it, so that the top two logits are often close (near-ties); by default
     each model separates them (CausalLM.init_random).
     """
@@ -111,10 +112,8 @@ def write_model(
         model = arch.model_class(parsed)
         model.init_random(torch.Generator().manual_seed(seed), **({} if head_std is None else {"head_std": head_std}))
         tensors = _checkpoint(model, quantize, layout)
-        if quantize == "int8":
-            config = dict(config, quantization_config=quant.INT8_CONFIG)
-        elif quantize != "none":
-            config = dict(config, quantization_config={
+        if quantize != "none":
+            config = dict(config, quantization_config=dict(quant.INT8_CONFIG) if quantize == "int8" else {
                 "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
                 **({"scale_fmt": "ue8m0"} if layout == "deepseek" else {}),
             })  # fmt: skip
