@@ -220,6 +220,10 @@ def test_every_backend_gives_the_unsharded_eager_tokens(v4_dir, tmp_path, backen
         assert report["timings"]["idle_calls"] > 0, report["timings"]
 
 
+# Under slow (issue 64): CI runs aotc serve over ranks (test_parallel.py's TP=2 server, its
+# SIGTERM drain and its killed rank) and the service spreading 8 concurrent requests over
+# these ranks (test_a_service_serves_8_concurrent_requests_...).
+@pytest.mark.slow
 def test_aotc_serve_spreads_8_concurrent_requests_over_the_ranks(dp_bundle, v4_dir):  # noqa: F811
     """aotc serve on the bundle, judged by the openai client in strict mode: 8 concurrent
     completions (4 at once on each rank) give the unsharded eager tokens, and SIGTERM
