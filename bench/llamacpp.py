@@ -240,6 +240,32 @@ def decode(built: Path, gguf: Path, prompt: list[int], new_tokens: int, threads:
     return out
 
 
+# Teacher-forced logits over a passage: every position's, as llama-cpp-python keeps them
+# with logits_all (its `scores`), the passage in one batch.
+_LOGITS = """
+import sys, json
+import numpy as np
+import llama_cpp
+gguf, ids, threads, out = sys.argv[1], json.loads(open(sys.argv[2]).read()), int(sys.argv[3]), sys.argv[4]
+llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(ids), n_batch=len(ids), n_ubatch=len(ids), n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+llm.eval(ids)
+np.save(out, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+"""
+
+
+def passage_logits(built: Path, gguf: Path, ids: list[int], threads: int, work: Path):
+    """llama.cpp's logits at every position of `ids` ([len(ids), vocab], float32 numpy)."""
+    import numpy as np
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(built / "py"), os.environ.get("PYTHONPATH", "")])}
+    (work / "passage.json").write_text(json.dumps(ids))
+    out = work / f"{gguf.stem}-logits.npy"
+    result = subprocess.run([sys.executable, "-c", _LOGITS, str(gguf), str(work / "passage.json"), str(threads), str(out)], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise Skipped(f"llama.cpp logits of {gguf.name} failed: {result.stderr.strip().splitlines()[-1:]}")
+    return np.load(out)
+
+
 def bytes_per_step(gguf_file: Path) -> int:
     """The bytes of weights one decode step reads, from the GGUF's own tensor table: all
     of them but the embedding table, which a step reads a row of, unless the model has no

@@ -15,6 +15,15 @@ xla graphs run), and in integer arithmetic (what aotc/passes/decode_fp8_bits.py 
 of that conversion on the CPU), against fp32. Bytes per second count the bytes
 stored (1 per fp8 weight, 4 per fp32 one).
 
+Then the same weights stored as int8 with a scale per 32 inputs (aotc.quant,
+Q8_0's grid) at 1, 2, 4 and 8 rows, activations in fp32: dequantized inside
+rewrite_skinny_linears' mul+sum, as aotc's CPU graphs run them, and the same
+with the weights laid out in 16-row panels [N/16, K, 16] summed over their
+inputs (vectorized across the panel's rows: ../shared/research/cpu-int8.md's
+proposal, which aotc does not ship: on this host it ran no faster at 1 row and
+slower at 8), against fp32's mul+sum. Bytes per second count the bytes stored
+(1 per int8 weight plus a 4-byte scale per 32).
+
 Then decode attention (what rewrite_skinny_matmuls is for): 8 layers of one
 sequence's GQA attention, 4 KV heads x 4096 cached positions x 64, at 1, 2,
 4 and 8 query heads per KV head: q @ k^T, softmax, p @ v as torch.compile
@@ -103,6 +112,74 @@ def bench_fp8(weights, g) -> list[dict]:
     return rows
 
 
+class Int8Linears(torch.nn.Module):
+    """Linear layers on int8 weights as aotc's graphs take them (the bytes as uint8)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        for i, w in enumerate(weights):
+            values, scale = quant.quantize_int8(w)
+            self.register_buffer(f"v{i}", values.view(torch.uint8))
+            self.register_buffer(f"s{i}", scale)
+        self.n = len(weights)
+
+    def forward(self, x):
+        return [F.linear(x, quant.dequantize("int8", getattr(self, f"v{i}"), getattr(self, f"s{i}"), x.dtype)) for i in range(self.n)]
+
+
+PANEL = 16
+
+
+class Int8Panels(torch.nn.Module):
+    """The proposal: int8 values [N/16, K, 16] and scales [N/16, K/32, 16], each output a
+    sum over the inputs of a panel's 16 rows side by side (written as its own graph)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        for i, w in enumerate(weights):
+            values, scale = quant.quantize_int8(w)
+            lay = lambda t: t.reshape(t.shape[0] // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+            self.register_buffer(f"v{i}", lay(values))
+            self.register_buffer(f"s{i}", lay(scale))
+        self.n = len(weights)
+
+    def forward(self, x):
+        out = []
+        for i in range(self.n):
+            v, s = getattr(self, f"v{i}"), getattr(self, f"s{i}")
+            panels, k, _ = v.shape
+            w = (v.to(torch.float32).view(panels, k // 32, 32, PANEL) * s[:, :, None, :]).view(panels, k, PANEL)
+            out.append(torch.stack([(w * row.view(1, k, 1)).sum(1).reshape(-1) for row in x]))
+        return out
+
+
+def bench_int8(weights, g) -> list[dict]:
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    int8_bytes = sum(w.numel() + w.numel() // quant.INT8_BLOCK[1] * 4 for w in weights)
+    forms = {  # (module, the pass aotc runs on it, or None, bytes stored)
+        "fp32, mul + sum": (Linears(weights).requires_grad_(False), RewriteSkinnyLinears, fp32_bytes),
+        "int8, mul + sum (aotc)": (Int8Linears(weights), RewriteSkinnyLinears, int8_bytes),
+        "int8 in 16-row panels": (Int8Panels(weights), None, int8_bytes),
+    }
+    rows = []
+    for m in (1, 2, 4, 8):
+        x = torch.randn(m, weights[0].shape[1], generator=g)
+        reference = Int8Linears(weights[:1])(x)[0]
+        for name, (module, rewrite, nbytes) in forms.items():
+            gm = torch.export.export(module, (x,), strict=False).module()
+            assert rewrite is None or rewrite()(gm).changes == len(weights)
+            compiled = torch.compile(gm, fullgraph=True, dynamic=False)
+            if name.startswith("int8"):  # both int8 forms compute the same weights
+                torch.testing.assert_close(compiled(x)[0], reference, atol=1e-3, rtol=1e-3)
+            seconds = timeit(lambda: compiled(x), min_time=1.0)
+            rows.append({"rows": m, "weights": name, "ms": seconds * 1e3, "MB stored": nbytes / 1e6, "GB/s": nbytes / seconds / 1e9})
+            torch._dynamo.reset()
+    for r in rows:
+        r["fp32 ms / this"] = next(f["ms"] for f in rows if f["rows"] == r["rows"]) / r["ms"]
+    table("the same 16 weights stored as int8 (a float32 scale per 32 inputs), fp32 activations, compiled by Inductor", rows)
+    return rows
+
+
 class Attention(torch.nn.Module):
     """Decode attention of one sequence, layer after layer: q [1, kv, rep, hd] against
     each layer's k, v [1, kv, S, hd] (the shapes of aotc's Llama decode graphs)."""
@@ -163,10 +240,11 @@ def main() -> None:
         rows,
     )
     fp8_rows = bench_fp8(weights, g)
+    int8_rows = bench_int8(weights, g)
     attention_rows = bench_attention(g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, encode({
-        "weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows,
+        "weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows, "int8": int8_rows,
         "attention": attention_rows,
     }))  # fmt: skip
     console.print(f"wrote {args.out}")
