@@ -33,8 +33,8 @@ if _WORKERS > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
 # for a minute or more. pytest-randomly still shuffles the tests within each module and
 # the order of the modules not listed.
 LONGEST_FIRST = [
-    "test_transformers_path",  # 105
-    "test_parallel",  # 101, most of it in processes of their own (the ranks)
+    "test_transformers_path",  # 93
+    "test_parallel",  # 91, most of it in processes of their own (the ranks)
     "test_data_parallel",  # 61, the ranks' processes
     "test_inductor",  # 50
     "test_bench",  # 50
