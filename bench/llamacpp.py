@@ -281,9 +281,3 @@ def bytes_per_step(gguf_file: Path) -> int:
 def agreement(a: list[int], b: list[int]) -> int:
     """How many greedy tokens agree before the first difference."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def timed(fn, repeats: int = 3) -> dict:
-    """Best of `repeats` runs by decode time (the others differ by noise only: greedy is deterministic)."""
-    runs = [fn() for _ in range(repeats)]
-    return min(runs, key=lambda r: r["decode_s"])

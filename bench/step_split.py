@@ -52,7 +52,7 @@ def split(folder: Path, out: Path, label: str) -> tuple[list[dict], dict]:
     def wrap(run, key):
         def timed(args, call=0):
             t0 = time.perf_counter()
-            result = run(args, call) if call else run(args)
+            result = run(args, call)
             times[key[0]] += time.perf_counter() - t0
             calls[key[0]] += 1
             return result
@@ -83,7 +83,7 @@ def split(folder: Path, out: Path, label: str) -> tuple[list[dict], dict]:
     graphs = sum(r["ms per step"] for r in rows)
     rows.append({"weights": label, "part": "host loop (step less its graphs)", "ms per step": step_ms - graphs, "share": (step_ms - graphs) / step_ms})
     rows.append({"weights": label, "part": "whole step", "ms per step": step_ms, "share": 1.0})
-    Bundle.unbind(model)
+    Bundle.unbind(model)  # the head alone, without the timers
     bundle.bind(model)
     head = next(m for m in model.modules() if type(m).__name__ == "LMHead")
     x = torch.randn(1, head.lm_head.in_features)

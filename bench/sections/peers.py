@@ -4,18 +4,19 @@ model (tiny under --quick) and on SmolLM2-135M-Instruct (bench/smollm2.py; not u
 into --peers-cache (bench/llamacpp.py).
 
 Each model comes as an fp32 folder and a bf16 folder (the 100m model's: its fp32 weights
-rounded to bf16). aotc runs the fp32 folder, the bf16 folder, and three fp8 checkpoints that
-`aotc quantize` writes: from the fp32 folder with the LM head kept, and in fp8 as Q8_0 has
+rounded to bf16). aotc runs the fp32 folder, the bf16 folder, an int8 checkpoint that
+`aotc quantize --format int8` writes from the fp32 folder (its head in int8, as Q8_0's), and
+three fp8 checkpoints: from the fp32 folder with the LM head kept, and in fp8 as Q8_0 has
 it; and from the bf16 folder with an fp8 head (bf16 arithmetic). llama.cpp's own converter
 makes F32 and F16 from the fp32 folder and BF16 and Q8_0 from the bf16 folder. Every engine
-decodes the same prompt ids greedily at batch 1 with the same threads (tokens/s, best of
-3); a row gives the bytes of weights that one decode step reads (aotc: what its graphs
-are handed at bind; llama.cpp: the GGUF's tensors, the embedding table only where it is
-also the head) and how many greedy tokens equal aotc fp32's. The quantized checkpoints'
-quality beside their speed: eager, teacher-forced over the passage
-tests/data/declaration.txt, the largest logit difference and the top-1 agreement against
-fp32 and against the source folder. Issue 19's target: aotc fp32 >=
-llama.cpp F32."""
+decodes the same prompt ids greedily at batch 1 with the same threads, once a round, best
+of 3 rounds (tokens/s); a row gives the bytes of weights that one decode step reads (aotc:
+what its graphs are handed at bind; llama.cpp: the GGUF's tensors, the embedding table
+only where it is also the head) and how many greedy tokens equal aotc fp32's. The
+quantized checkpoints' quality beside their speed, teacher-forced over the passage
+tests/data/declaration.txt (aotc's eager logits, and llama.cpp's own for F32 and Q8_0):
+the largest logit difference and the top-1 agreement against aotc fp32 and against the
+source folder. Issue 19's target: aotc fp32 >= llama.cpp F32."""
 
 from __future__ import annotations
 
