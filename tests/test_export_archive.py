@@ -120,31 +120,39 @@ def test_a_file_that_is_not_a_zip_is_refused(tmp_path):
         check_archive(path)
 
 
-def test_a_program_loads_the_same_with_the_schema_hints_remembered(archive, monkeypatch):
-    """load_program remembers the schema's type hints (pytorch#196452): the program it
-    rebuilds equals torch's own load node for node, and each class's hints are looked up once."""
+def test_a_program_loads_the_same_through_aotcs_schema_decoder(archive, monkeypatch):
+    """load_program decodes the archive's JSON with a decoder that resolves each schema type
+    once (pytorch#196452): it rebuilds the objects torch's own decoder does, the program
+    equals torch's own load node for node, and a second load looks up no type hints."""
     import typing
 
-    from torch._export.serde import serialize
+    from torch._export.serde import schema, serialize
 
     from aotc.backends import export
 
     data = archive.read_bytes()
-    monkeypatch.setattr(serialize, "typing", typing)  # torch as it ships
-    theirs = torch.export.load(archive)
-    export._resolve_schema_hints_once.cache_clear()
-    ours = export.load_program(data)
-    assert serialize.typing is not typing and serialize.typing.get_origin is typing.get_origin
-    assert ours.graph_module.code == theirs.graph_module.code
-    assert [(n.name, str(n.target), n.meta["val"].shape if "val" in n.meta and hasattr(n.meta["val"], "shape") else None) for n in ours.graph.nodes] == [
+    export.load_program(data)
+    ours = serialize._dict_to_dataclass
+    torchs = ours.__wrapped__
+    assert torchs.__module__ == serialize.__name__ and ours is not torchs
+    with zipfile.ZipFile(archive) as z:
+        js = json.loads(z.read(next(n for n in z.namelist() if n.endswith("models/model.json"))))
+    with monkeypatch.context() as m:
+        m.setattr(serialize, "_dict_to_dataclass", torchs)  # torch as it ships, down to every nested value
+        expected = torchs(schema.ExportedProgram, js)
+        theirs = torch.export.load(archive)
+    assert ours(schema.ExportedProgram, js) == expected
+    loaded = export.load_program(data)
+    assert loaded.graph_module.code == theirs.graph_module.code
+    assert [(n.name, str(n.target), n.meta["val"].shape if "val" in n.meta and hasattr(n.meta["val"], "shape") else None) for n in loaded.graph.nodes] == [
         (n.name, str(n.target), n.meta["val"].shape if "val" in n.meta and hasattr(n.meta["val"], "shape") else None) for n in theirs.graph.nodes
     ]
-    assert ours.graph_signature == theirs.graph_signature
+    assert loaded.graph_signature == theirs.graph_signature
     looked_up = []
     real = typing.get_type_hints
     monkeypatch.setattr(typing, "get_type_hints", lambda *a, **k: looked_up.append(a[0]) or real(*a, **k))
     export.load_program(data)
-    assert looked_up == []  # every class of this program was seen by the first load
+    assert looked_up == []  # every type of this program was resolved by the first load
 
 
 def test_a_program_saves_the_same_bytes_without_torchs_canonical_form_self_test(monkeypatch):

@@ -257,6 +257,35 @@ def test_export_program_that_calls_python_or_unpickles_is_refused_and_never_runs
     assert calls == [] and not marker.exists()
 
 
+def test_an_export_program_is_rebuilt_when_first_run_from_the_bytes_checked_at_load(tiny_bundle, tiny_dir, tmp_path, monkeypatch):
+    """Bundle.load checks each archive's bytes and rebuilds no program (torch.export.load is
+    most of a load); a program is rebuilt from the bytes that were checked when it first runs,
+    whatever its file holds by then, and the programs a run never reaches are never rebuilt."""
+    import collections
+
+    from aotc.backends import export
+    from aotc.models.base import load_model
+    from aotc.runtime import generate
+
+    monkeypatch.setattr(export, "_ARCHIVES", collections.OrderedDict())  # no archive another test loaded
+    rebuilt = []
+    monkeypatch.setattr(export, "load_program", lambda data, load=export.load_program: rebuilt.append(data) or load(data))
+    shutil.copytree(tiny_bundle.out, tmp_path / "b")
+    bundle = Bundle.load(tmp_path / "b")
+    assert rebuilt == []
+    files = {(e.id, a.bucket, a.context): tmp_path / "b" / a.dir / "program.pt2" for e, a in bundle.manifest.artifacts()}
+    checked = {key: path.read_bytes() for key, path in files.items()}
+    for path in files.values():
+        path.write_bytes(b"replaced after the load")
+    model = load_model(tiny_dir).model
+    bundle.bind(model)
+    got = generate(model, [[1, 5, 9]], 3, max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots)
+    Bundle.unbind(model)
+    assert got.sequences[0].new_ids == generate(model, [[1, 5, 9]], 3, max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots).sequences[0].new_ids
+    ran = [key for key in bundle.programs if checked[key] in rebuilt]
+    assert len(rebuilt) == len(ran) and sorted(ran) == [("LMHead.forward", 1, None), ("LlamaDecoderLayer.decode", 1, 256), ("LlamaDecoderLayer.prefill", 16, 256)], ran
+
+
 def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
     bundle = swapped_copy(tiny_bundle.out, tmp_path / "swapped")
     with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 context \d+ as the manifest says \(input \d+ is \(\[2,"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -31,15 +32,23 @@ PROGRAM = "program.pt2"  # the ExportedProgram, saved by torch.export.save
 
 
 class GraphProgram(Program):
+    """One archive's graph module, deserialized from the checked bytes when first run or read:
+    torch.export.load is most of an export bundle's load (0.6 s for a DeepSeek V4 block's
+    program), and a run that never reaches a bucket never pays for its program."""
+
     label = PROGRAM
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.gm = gm
+    def __init__(self, archive: "_Archive"):
+        self._archive = archive
+
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        return self._archive.graph_module()
 
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         joined_ranks(ExportBackend.name, rank, world_size)
-        gm, tensors = self.gm, weights.tensors()  # the model's own tensors: the host runs the graph
-        return Step(HOST, lambda args, call=0: list(gm(*tensors, *args)), tensors)
+        tensors = weights.tensors()  # the model's own tensors: the host runs the graph
+        return Step(HOST, lambda args, call=0: list(self.gm(*tensors, *args)), tensors)
 
 
 def save_program(program: "ExportedProgram", f, weights: list[str]) -> None:
@@ -81,40 +90,80 @@ def _without_canonical_form_self_test():
 
 
 def load_program(data: bytes) -> "ExportedProgram":
-    """torch.export.load of an archive's bytes, with the schema's type hints resolved once."""
-    _resolve_schema_hints_once()
+    """torch.export.load of an archive's bytes, its JSON decoded by a decoder that knows each schema type."""
+    _decode_schema_once()
     return torch.export.load(io.BytesIO(data))
 
 
 @functools.cache
-def _resolve_schema_hints_once() -> None:
-    """torch.export.load asks typing.get_type_hints for a schema class's hints once per
-    serialized object it rebuilds (serialize._dict_to_dataclass): 60% of loading a
-    DeepSeek V4 layer's program, 13.6 s for a 9-artifact bundle (pytorch#196452, open).
-    The schema's classes never change, so their hints are looked up once each (about 5 s).
-    Only where torch's serializer reads `typing` as this torch's does; else as it is."""
+def _decode_schema_once() -> None:
+    """torch.export.load rebuilds the program's JSON into schema objects with
+    serialize._dict_to_dataclass, which resolves each value's type (its hints, fields and
+    origin) again for every value it rebuilds: 2.4 s of the 12 s that a DeepSeek V4 bundle's
+    18 programs took to load (pytorch#196452, open). The schema's types never change, so
+    the decoder below resolves each once; it returns what torch's does
+    (tests/test_export_archive.py compares the two on a program). Only where torch's
+    serializer has the function this decoder was written against; else as it is."""
     from torch._export.serde import schema, serialize
+    from torch.export.pt2_archive import _package
 
-    if getattr(serialize, "typing", None) is typing:
-        serialize.typing = _typing_with_schema_hints(vars(schema))
+    own = getattr(serialize, "_dict_to_dataclass", None)
+    if getattr(own, "__module__", None) == serialize.__name__ and hasattr(serialize, "_resolve_schema_cls") and hasattr(serialize, "_Union"):
+        decode = schema_decoder(serialize, vars(schema))
+        decode.__wrapped__ = own  # torch's, for the test that compares the two
+        for module in (serialize, _package):  # the archive reader imported it by name
+            if getattr(module, "_dict_to_dataclass", None) is own:
+                module._dict_to_dataclass = decode
 
 
-def _typing_with_schema_hints(namespace: dict) -> types.ModuleType:
-    """A copy of the typing module whose get_type_hints remembers its answers for lookups
-    in the schema's namespace (the only ones torch's serializer makes)."""
-    copy = types.ModuleType("typing")
-    copy.__dict__.update(vars(typing))
-    hints: dict = {}
+def schema_decoder(serialize: types.ModuleType, namespace: dict) -> typing.Callable[[typing.Any, typing.Any], typing.Any]:
+    """serialize._dict_to_dataclass(cls, data), with what it learns of each type kept."""
+    kinds: dict = {}
 
-    def get_type_hints(obj, globalns=None, localns=None, include_extras=False):
-        if globalns is not namespace or localns is not None or include_extras:
-            return typing.get_type_hints(obj, globalns, localns, include_extras)
-        if obj not in hints:
-            hints[obj] = typing.get_type_hints(obj, globalns)
-        return hints[obj]
+    def kind_of(cls) -> tuple:
+        c = serialize._resolve_schema_cls(cls)
+        if isinstance(c, str):
+            raise AssertionError(f"Unresolved class type: '{c}'.")
+        origin = typing.get_origin(c)
+        if origin is typing.Annotated:
+            return ("alias", c.__origin__)
+        if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(c):
+            return ("optional", typing.get_args(c))
+        if isinstance(c, type) and issubclass(c, serialize._Union):
+            return ("union", c, typing.get_type_hints(c, globalns=namespace))
+        if dataclasses.is_dataclass(c):
+            hints = typing.get_type_hints(c, globalns=namespace)
+            return ("dataclass", c, tuple((f.name, hints[f.name]) for f in dataclasses.fields(c)))
+        return ("plain", c)
 
-    copy.get_type_hints = get_type_hints
-    return copy
+    def decode(cls, data):
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = kinds[cls] = kind_of(cls)
+        tag = kind[0]
+        if tag == "dataclass":  # keys the type does not have are skipped, as torch does (forward compatibility)
+            return kind[1](**{name: decode(hint, data[name]) for name, hint in kind[2] if name in data})
+        if tag == "union":
+            if not isinstance(data, dict) or len(data) != 1:
+                raise AssertionError(f"expected a dict with 1 key, got {data!r:.80}")
+            ((name, value),) = data.items()
+            return kind[1].create(**{name: decode(kind[2][name], value)})
+        if tag == "alias":
+            return decode(kind[1], data)
+        if tag == "optional":
+            if data is None:
+                return None
+            if len(kind[1]) != 2:
+                raise AssertionError(f"expected 2 type args, got {len(kind[1])}")
+            return decode(kind[1][0], data)
+        if isinstance(data, list):
+            return [decode(typing.get_args(kind[1])[0], d) for d in data] if data else data
+        if isinstance(data, dict):
+            value = typing.get_args(kind[1])[1]
+            return {k: decode(value, v) for k, v in data.items()}
+        return float(data) if kind[1] is float else data
+
+    return decode
 
 
 @register_backend
@@ -136,53 +185,54 @@ class ExportBackend(Backend):
         return CompileResult([PROGRAM])
 
     def load(self, art_dir: Path, record: ArtifactRecord) -> Program:
-        archive, data = _read(art_dir / PROGRAM)
-        with archive.lock:
-            if archive.gm is None:
-                # Every input is a user input, so the graph module takes the flat list
-                # as is; this skips ExportedProgram.module()'s pytree and state handling.
-                archive.gm = load_program(data).graph_module
-        return GraphProgram(archive.gm)
+        return GraphProgram(_read(art_dir / PROGRAM))
 
     def signature(self, art_dir: Path) -> list[tuple[list[int], str]]:
-        return _read(art_dir / PROGRAM)[0].inputs
+        return _read(art_dir / PROGRAM).inputs
 
     def weight_paths(self, art_dir: Path) -> list[str]:
-        return _read(art_dir / PROGRAM)[0].weights
+        return _read(art_dir / PROGRAM).weights
 
 
 class _Archive:
-    """One export archive as this process read it: what its JSON says (checked), and its
-    graph module once loaded."""
+    """One export archive as this process read it: what its JSON says (checked), the bytes
+    that were checked, and its graph module once loaded from those bytes."""
 
-    def __init__(self, inputs: list[tuple[list[int], str]], weights: list[str]):
-        self.inputs, self.weights, self.gm = inputs, weights, None
+    def __init__(self, inputs: list[tuple[list[int], str]], weights: list[str], data: bytes):
+        self.inputs, self.weights, self._data, self._gm = inputs, weights, data, None
         self.lock = threading.Lock()
+
+    def graph_module(self) -> torch.fx.GraphModule:
+        with self.lock:
+            if self._gm is None:
+                # Every input is a user input, so the graph module takes the flat list
+                # as is; this skips ExportedProgram.module()'s pytree and state handling.
+                self._gm, self._data = load_program(self._data).graph_module, None
+            return self._gm
 
 
 # The archives this process has checked and loaded, by the sha256 of their bytes, the most
 # recently used last. A bundle loads each archive three times (its signature, its weights,
 # the program: one JSON parse), and a process that opens a bundle again (a server's
-# Session, a test) deserializes none of it again: torch.export.load is most of a bundle's
-# load (0.5 s for a DeepSeek V4 block's program). Keyed by the bytes read each time, so
+# Session, a test) deserializes none of it again. Keyed by the bytes read each time, so
 # what runs is always what these bytes hold. A graph module without its weights is small.
 _ARCHIVES: "collections.OrderedDict[str, _Archive]" = collections.OrderedDict()
 _ARCHIVES_KEPT = 256
 _ARCHIVES_LOCK = threading.Lock()
 
 
-def _read(path: Path) -> tuple[_Archive, bytes]:
+def _read(path: Path) -> _Archive:
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     with _ARCHIVES_LOCK:
         archive = _ARCHIVES.get(digest)
         if archive is not None:
             _ARCHIVES.move_to_end(digest)
-            return archive, data
+            return archive
     # Read as data first: torch's loader, next, unpickles and resolves names.
-    archive = _Archive(*read_archive(path, data))
+    archive = _Archive(*read_archive(path, data), data)
     with _ARCHIVES_LOCK:
         archive = _ARCHIVES.setdefault(digest, archive)
         while len(_ARCHIVES) > _ARCHIVES_KEPT:
             _ARCHIVES.popitem(last=False)
-    return archive, data
+    return archive
