@@ -22,6 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from . import heap
 from .entry import FREEZERS, EntrySpec, entries_of
 from .errors import TraceError
 from .format import ParallelRecord, PassRecord, RegionSpec, ShardSpec, TensorSpec, WeightSpec
@@ -325,12 +326,13 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | Non
     wrapper = _flat_wrapper(module, spec.method, graph_ws, narrow)
     _record_frames_of(module)
     t0 = time.perf_counter()
-    try:
-        program = torch.export.export(wrapper, (*weights.values(), *args), strict=False)
-    except Exception as e:  # export's errors are many types; all mean the same to the user
-        raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
-    export_s = time.perf_counter() - t0
-    result = run_pipeline(program, pipeline_for(backend))
+    with heap.paused():  # the graph's many objects all live on
+        try:
+            program = torch.export.export(wrapper, (*weights.values(), *args), strict=False)
+        except Exception as e:  # export's errors are many types; all mean the same to the user
+            raise TraceError(_explain_failure(f"{variant.entry_id} (bucket {bucket})", "cannot be exported", e)) from e
+        export_s = time.perf_counter() - t0
+        result = run_pipeline(program, pipeline_for(backend))
     program, reports, gm = result.program, result.reports, result.program.graph_module
     if needs_static(backend):
         _check_static(gm, f"{variant.entry_id} (bucket {bucket})", backend.name)

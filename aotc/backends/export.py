@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import heap
 from ..format import ArtifactRecord, write_atomic
 from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
 from .export_archive import WEIGHTS_MEMBER, read_archive
@@ -58,7 +59,7 @@ def save_program(program: "ExportedProgram", f, weights: list[str]) -> None:
     its inputs are named flat_0, flat_1..."""
     example, program.example_inputs = program.example_inputs, None
     try:
-        with _without_canonical_form_self_test():
+        with _without_canonical_form_self_test(), heap.paused():  # its schema records are many, and acyclic
             torch.export.save(program, f, extra_files={WEIGHTS_MEMBER: json.dumps(weights)})
     finally:
         program.example_inputs = example
@@ -92,7 +93,8 @@ def _without_canonical_form_self_test():
 def load_program(data: bytes) -> "ExportedProgram":
     """torch.export.load of an archive's bytes, its JSON decoded by a decoder that knows each schema type."""
     _decode_schema_once()
-    return torch.export.load(io.BytesIO(data))
+    with heap.paused():  # the graph's many objects all live on
+        return torch.export.load(io.BytesIO(data))
 
 
 @functools.cache
