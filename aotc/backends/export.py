@@ -49,7 +49,15 @@ class GraphProgram(Program):
     def bind(self, weights: Weights, *, rank: int = 0, world_size: int = 1) -> Step:
         joined_ranks(ExportBackend.name, rank, world_size)
         tensors = weights.tensors()  # the model's own tensors: the host runs the graph
-        return Step(HOST, lambda args, call=0: list(self.gm(*tensors, *args)), tensors)
+        gm = None
+
+        def run(args, call=0):
+            nonlocal gm
+            if gm is None:  # rebuilt on the first call; later calls take no lock
+                gm = self.gm
+            return list(gm(*tensors, *args))
+
+        return Step(HOST, run, tensors)
 
 
 def save_program(program: "ExportedProgram", f, weights: list[str]) -> None:
