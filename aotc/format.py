@@ -64,7 +64,7 @@ import msgspec
 
 from .errors import BundleError
 
-FORMAT_VERSION = 15
+FORMAT_VERSION = 16  # 16: int8 weight values reach the graphs as int8, not as uint8 bytes
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")

@@ -101,7 +101,7 @@ def _dequantize_int8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     # Each scale times its group of 32 ([..., rows, groups, 32] by [..., rows, groups, 1]),
     # the values zero-padded to whole groups: a scale expanded and cut to a last partial
     # group (_expand) is miscompiled by Inductor (torch 2.13: reads past the scales).
-    # Graphs take the bytes as uint8 (checkpoint.stored_dtype).
+    # Graphs take the values as int8 (checkpoint.stored_dtype); uint8 is the same bytes.
     v = (values.view(torch.int8) if values.dtype == torch.uint8 else values).to(torch.float32)
     *lead, rows, cols = v.shape
     groups = scale.shape[-1]

@@ -8,6 +8,8 @@ torch.compile (Inductor, the backend aotc uses), this times `F.linear` and
 the graph the pass makes of it at 1, 2, 4 and 8 rows, and reports the weight
 bytes read per second against the roofline: max(bytes / copy bandwidth,
 FLOPs / GEMM peak), both measured in the same run as bench/perf.py does.
+All 16 share x, so Inductor reads them in one loop, an accumulator per weight
+and row.
 
 Then the same weights at 1 row stored as fp8 with a scale per 128 x 128 block
 (aotc.quant): decoded by the fp8 -> float32 conversion (what the export and
@@ -24,6 +26,11 @@ proposal, which aotc does not ship: on this host it ran no faster at 1 row and
 slower at 8), against fp32's mul+sum. Bytes per second count the bytes stored
 (1 per int8 weight plus a 4-byte scale per 32).
 
+Then the same weights (fp32 and int8), each on an input of its own, so that each
+is a loop of its own as a decode step's projections are: read in stripes of
+their output rows, as the pass reads them (4 at 1 to 4 rows, 2 at 8), against
+one stripe.
+
 Then decode attention (what rewrite_skinny_matmuls is for): 8 layers of one
 sequence's GQA attention, 4 KV heads x 4096 cached positions x 64, at 1, 2,
 4 and 8 query heads per KV head: q @ k^T, softmax, p @ v as torch.compile
@@ -34,8 +41,10 @@ per second count the keys and values read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +56,7 @@ from common import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E4
 
 from aotc import quant  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
+from aotc.passes import rewrite_skinny_linears  # noqa: E402
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears  # noqa: E402
 from aotc.passes.rewrite_skinny_matmuls import MATMUL_ROWS, RewriteSkinnyMatmuls  # noqa: E402
 
@@ -58,6 +68,11 @@ class Linears(torch.nn.Module):
 
     def forward(self, x):
         return [F.linear(x, w) for w in self.weights]
+
+
+def one_stripe():
+    """The pass as it was before it read weights in stripes: one reduction per row."""
+    return mock.patch.object(rewrite_skinny_linears, "MAX_STRIPES", 1)
 
 
 def rewritten(module: Linears, x: torch.Tensor) -> torch.fx.GraphModule:
@@ -113,13 +128,13 @@ def bench_fp8(weights, g) -> list[dict]:
 
 
 class Int8Linears(torch.nn.Module):
-    """Linear layers on int8 weights as aotc's graphs take them (the bytes as uint8)."""
+    """Linear layers on int8 weights as aotc's graphs take them (checkpoint.stored_dtype)."""
 
     def __init__(self, weights):
         super().__init__()
         for i, w in enumerate(weights):
             values, scale = quant.quantize_int8(w)
-            self.register_buffer(f"v{i}", values.view(torch.uint8))
+            self.register_buffer(f"v{i}", values)
             self.register_buffer(f"s{i}", scale)
         self.n = len(weights)
 
@@ -188,6 +203,51 @@ class Attention(torch.nn.Module):
         return [torch.softmax(q @ k.transpose(-1, -2) * 0.125, dim=-1) @ v for k, v in zip(ks, vs)]
 
 
+class Apart(torch.nn.Module):
+    """Each weight of `module` (Linears or Int8Linears) on an input of its own: each its own
+    loop in Inductor, as a decode step's projections are (linears that share an input and
+    a weight shape share one loop: the tables above)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *xs):
+        m = self.module
+        if isinstance(m, Linears):
+            return [F.linear(x, w) for x, w in zip(xs, m.weights)]
+        return [F.linear(x, quant.dequantize("int8", getattr(m, f"v{i}"), getattr(m, f"s{i}"), x.dtype)) for i, x in enumerate(xs)]
+
+
+def bench_stripes(weights, g) -> list[dict]:
+    """rewrite_skinny_linears reads each weight in stripes of its output rows (4 at 1 to 4
+    rows, 2 at 8), each its own accumulator and stream, against one stripe, on weights that
+    each have a loop of their own."""
+    forms = {"fp32": (Linears(weights).requires_grad_(False), sum(w.numel() * 4 for w in weights)),
+             "int8": (Int8Linears(weights), sum(w.numel() + w.numel() // quant.INT8_BLOCK[1] * 4 for w in weights))}  # fmt: skip
+    rows = []
+    for m in (1, 2, 4, 8):
+        xs = tuple(torch.randn(m, weights[0].shape[1], generator=g) for _ in weights)
+        for name, (module, nbytes) in forms.items():
+            row = {"rows": m, "weights": name}
+            expected = None
+            for label, striped in (("stripes", True), ("one stripe", False)):
+                gm = torch.export.export(Apart(module), xs, strict=False).module()
+                with contextlib.nullcontext() if striped else one_stripe():
+                    assert RewriteSkinnyLinears()(gm).changes == len(weights)
+                compiled = torch.compile(gm, fullgraph=True, dynamic=False)
+                out = compiled(*xs)[0]
+                expected = out if expected is None else expected
+                torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+                seconds = timeit(lambda: compiled(*xs), min_time=1.0)
+                row[f"{label} GB/s"] = nbytes / seconds / 1e9
+                torch._dynamo.reset()
+            row["stripes / one stripe"] = row["stripes GB/s"] / row["one stripe GB/s"]
+            rows.append(row)
+    table("the same 16 weights, each on an input of its own (its own loop), read in stripes and in one stripe", rows)
+    return rows
+
+
 def bench_attention(g, layers: int = 8, kv: int = 4, positions: int = 4096) -> list[dict]:
     ks = [torch.randn(1, kv, positions, 64, generator=g) for _ in range(layers)]
     vs = [torch.randn(1, kv, positions, 64, generator=g) for _ in range(layers)]
@@ -242,11 +302,12 @@ def main() -> None:
     )
     fp8_rows = bench_fp8(weights, g)
     int8_rows = bench_int8(weights, g)
+    stripe_rows = bench_stripes(weights, g)
     attention_rows = bench_attention(g)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, encode({
         "weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows, "int8": int8_rows,
-        "attention": attention_rows,
+        "stripes": stripe_rows, "attention": attention_rows,
     }))  # fmt: skip
     console.print(f"wrote {args.out}")
 

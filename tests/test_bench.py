@@ -118,7 +118,7 @@ def test_lowp_each_row_reads_the_format_its_label_names(bench):
     assert rows["fp32"]["layer matrices"] == "float32" and set(rows["fp32"]["MB read by dtype"]) == {"float32"}
     assert rows["bf16"]["layer matrices"] == "bfloat16" and set(rows["bf16"]["MB read by dtype"]) == {"bfloat16"}
     assert rows["fp8"]["layer matrices"] == "float8_e4m3fn"
-    assert rows["int8"]["layer matrices"] == "uint8" and set(rows["int8"]["MB read by dtype"]) == {"uint8", "float32"}  # int8 bytes, fp32 scales
+    assert rows["int8"]["layer matrices"] == "int8" and set(rows["int8"]["MB read by dtype"]) == {"int8", "float32"}  # int8 bytes, fp32 scales
     for r in rows.values():
         assert math.isclose(r["stored MB read"], sum(r["MB read by dtype"].values()))
     assert math.isclose(rows["bf16"]["stored MB read"], rows["fp32"]["stored MB read"] / 2)  # every weight in half the bytes

@@ -181,7 +181,7 @@ def check_bundle(model_dir, backend, tmp_path, buckets=(1, 3), monkeypatch=None)
     out = build(BuildOptions(model_dir, out=tmp_path / backend, batch_buckets=buckets, chunk_buckets=(16,), max_seq=64, backend=backend))
     stored = [w for e in out.manifest.entries for w in e.weights if w.stored]
     assert stored, "no weight entered the graphs as stored"
-    assert all(w.dtype == {"fp8": "float8_e4m3fn", "fp4": "uint8", "int8": "uint8"}[w.stored.format] for w in stored if w.stored.part == "values")
+    assert all(w.dtype == {"fp8": "float8_e4m3fn", "fp4": "uint8", "int8": "int8"}[w.stored.format] for w in stored if w.stored.part == "values")
     bundle = Bundle.load(out.out)
     model = load_model(model_dir, stored=True).model
     for prompts in (PROMPTS[:1], PROMPTS):
