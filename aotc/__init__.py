@@ -25,4 +25,20 @@ from .runtime.sampling import SamplingParams  # noqa: E402
 from .runtime.service import Handle, QueueFull, Service  # noqa: E402
 from .runtime.session import Completion, Session, TokenEvent  # noqa: E402
 
-__all__ = ["AotcError", "CausalLM", "Completion", "Derived", "Handle", "ModelConfig", "QueueFull", "SCRATCH_SLOT", "SamplingParams", "Service", "Session", "TokenEvent", "entry", "register_architecture", "__version__"]
+__all__ = [
+    "AotcError",
+    "CausalLM",
+    "Completion",
+    "Derived",
+    "Handle",
+    "ModelConfig",
+    "QueueFull",
+    "SCRATCH_SLOT",
+    "SamplingParams",
+    "Service",
+    "Session",
+    "TokenEvent",
+    "entry",
+    "register_architecture",
+    "__version__",
+]

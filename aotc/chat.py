@@ -40,8 +40,7 @@ def _read(model_dir: Path) -> tuple[str, dict, Path]:
             raise ConfigError(f"{jinja_file}: not UTF-8 text ({e}); a chat template is a UTF-8 Jinja file") from None
     if not isinstance(template, str):
         raise ConfigError(
-            f"{path}: no chat_template (and no chat_template.jinja beside it); --chat needs the model's chat "
-            "template. Run without --chat to send the prompt as plain text"
+            f"{path}: no chat_template (and no chat_template.jinja beside it); --chat needs the model's chat template. Run without --chat to send the prompt as plain text"
         )
     specials = {}
     for key, value in config.items():  # bos_token, eos_token, ...: a string or an AddedToken record
@@ -172,13 +171,10 @@ def read_messages(path: Path) -> list[dict]:
     except OSError as e:
         raise ConfigError(f"--messages {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--messages {path}: not JSON ({e}); expected a list of {{\"role\": ..., \"content\": ...}} messages") from None
+        raise ConfigError(f'--messages {path}: not JSON ({e}); expected a list of {{"role": ..., "content": ...}} messages') from None
     if not isinstance(data, list) or not data:
         raise ConfigError(f"--messages {path}: expected a non-empty JSON list of messages, got {type(data).__name__}")
     for i, m in enumerate(data):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ConfigError(
-                f"--messages {path}: message {i} is {json.dumps(m)[:80]}; expected {{\"role\": one of {', '.join(ROLES)}, "
-                '"content": text}'
-            )
+            raise ConfigError(f'--messages {path}: message {i} is {json.dumps(m)[:80]}; expected {{"role": one of {", ".join(ROLES)}, "content": text}}')
     return data

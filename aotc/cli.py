@@ -26,11 +26,15 @@ app = typer.Typer(help="Ahead-of-time compilation of PyTorch LLM inference graph
 
 
 @app.callback()
-def _options(verbose: bool = typer.Option(False, "--verbose", help="Also show the warnings torch and JAX raise about their own internals (aotc/quiet.py lists them); hidden by default.")):
+def _options(
+    verbose: bool = typer.Option(False, "--verbose", help="Also show the warnings torch and JAX raise about their own internals (aotc/quiet.py lists them); hidden by default."),
+):
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # build workers inherit it
     silence_third_party_warnings()
     print_whole_when_piped(console, err_console)
+
+
 init_app = typer.Typer(help="Create model folders.", no_args_is_help=True)
 app.add_typer(init_app, name="init")
 console = Console()
@@ -90,7 +94,11 @@ def init_tiny(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     set_field: list[str] = typer.Option([], "--set", help="KEY=VALUE: override a config.json field (VALUE is JSON where it parses), e.g. --set sliding_window=16; repeatable."),
     force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds files."),
-    quantize: str = typer.Option("none", "--quantize", help="none | fp8 (the decoder layers' linear weights as float8_e4m3fn, a scale per 128x128 block) | fp4-experts (also routed experts as packed fp4, an E8M0 scale per 32: DeepSeek V4) | int8 (the decoder layers' linear weights as int8, a float32 scale per 32 inputs)."),
+    quantize: str = typer.Option(
+        "none",
+        "--quantize",
+        help="none | fp8 (the decoder layers' linear weights as float8_e4m3fn, a scale per 128x128 block) | fp4-experts (also routed experts as packed fp4, an E8M0 scale per 32: DeepSeek V4) | int8 (the decoder layers' linear weights as int8, a float32 scale per 32 inputs).",
+    ),
     checkpoint_layout: str = typer.Option("hf", "--checkpoint-layout", help="hf (Hugging Face names, float32 weight_scale_inv) | deepseek (DeepSeek's names, E8M0 .scale)."),
     plugin: list[str] = PLUGIN,
 ):
@@ -113,8 +121,16 @@ def init_tiny(
 def quantize(
     model: str = typer.Argument(..., help="A bf16 or fp32 model folder, or a Hugging Face Hub id (ORG/NAME) in the local cache."),
     out: Path = typer.Option(..., "-o", "--out", help="Folder to write: new or empty, outside MODEL."),
-    fmt: str = typer.Option("fp8", "--format", help="fp8 (the decoder layers' linear weights as float8_e4m3fn, a float32 scale per 128x128 block) | fp4-experts (also the routed experts as packed fp4, an E8M0 scale per 32) | int8 (the decoder layers' linear weights and the LM head as int8, a float32 scale per 32 inputs: llama.cpp's Q8_0 grid, activations unrounded)."),
-    head: Optional[str] = typer.Option(None, "--head", help="keep (the LM head at the source precision; fp8's default) | fp8 | int8 (the head in the layers' format, as llama.cpp's Q8_0 does; int8's default; a head tied to the embedding is written as its own tensor, the embedding kept)."),
+    fmt: str = typer.Option(
+        "fp8",
+        "--format",
+        help="fp8 (the decoder layers' linear weights as float8_e4m3fn, a float32 scale per 128x128 block) | fp4-experts (also the routed experts as packed fp4, an E8M0 scale per 32) | int8 (the decoder layers' linear weights and the LM head as int8, a float32 scale per 32 inputs: llama.cpp's Q8_0 grid, activations unrounded).",
+    ),
+    head: Optional[str] = typer.Option(
+        None,
+        "--head",
+        help="keep (the LM head at the source precision; fp8's default) | fp8 | int8 (the head in the layers' format, as llama.cpp's Q8_0 does; int8's default; a head tied to the embedding is written as its own tensor, the embedding kept).",
+    ),
     revision: Optional[str] = typer.Option(None, "--revision", help="With a Hub id: a branch, tag or commit."),
     plugin: list[str] = PLUGIN,
 ):
@@ -134,7 +150,9 @@ def quantize(
         _fail(_disk_error(e))
     counts = {f: sum(1 for v in done.tensors.values() if v == f) for f in ("fp8", "fp4", "int8")}
     what = " and ".join(f"{n} tensors to {f}" for f, n in counts.items() if n)
-    console.print(f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False, markup=False)
+    console.print(
+        f"quantized {what} ({_size(done.bytes_in)} -> {_size(done.bytes_out)} with their scales); {len(done.kept)} tensors kept as they were", highlight=False, markup=False
+    )
     console.print(f"LM head: {done.head}", highlight=False, markup=False)
     console.print(f"wrote {done.out}", highlight=False, markup=False)
 
@@ -172,9 +190,19 @@ CONTEXT_BUCKETS = typer.Option(
 )  # fmt: skip
 BACKEND = typer.Option(None, "--backend", help="export | inductor | xla | neuron (default: inductor where a C++ compiler is present, else export).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda: where the inductor backend's code runs.")
-COMPILER_FLAG = typer.Option([], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type).")
-KV_CACHE_DTYPE = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's dtype) | fp8: KV caches as fp8, each group scaled by its largest magnitude (float32 scales), packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224) | fp8-values (llama family): values so, keys in bf16, which keep answers that fp8 keys lose.")
-MODELING = typer.Option("auto", "--modeling", help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc\\[hf]).")
+COMPILER_FLAG = typer.Option(
+    [], "--compiler-flag", help="KEY=VALUE backend option, repeatable (inductor: a torch._inductor.config name; neuron: target, optlevel, lnc, auto_cast, auto_cast_type)."
+)
+KV_CACHE_DTYPE = typer.Option(
+    "auto",
+    "--kv-cache-dtype",
+    help="auto (the model's dtype) | fp8: KV caches as fp8, each group scaled by its largest magnitude (float32 scales), packed per token (llama family: a scale per token and head; DeepSeek V4: NoPE dims a scale per 64, RoPE dims in bf16, indexer keys a scale per 128), quantized to the target's fp8 maximum (448; trn2: 224) | fp8-values (llama family): values so, keys in bf16, which keep answers that fp8 keys lose.",
+)
+MODELING = typer.Option(
+    "auto",
+    "--modeling",
+    help="Whose code runs the model: auto (aotc's own for llama, qwen2, mistral and deepseek_v4; transformers' for any other decoder-only model it has) | aotc | transformers (needs aotc\\[hf]).",
+)
 TENSOR_PARALLEL = typer.Option(
     1, "--tensor-parallel", min=1,
     help="Ranks to split the model across (llama family, and transformers models by their config's base_model_tp_plan; every backend): one graph per entry and bucket serves every rank, with the collectives inside it (on xla and neuron, per-rank HLO collectives; on neuron each rank takes a NeuronCore of its own); each rank loads its part of the weights. aotc run starts the ranks itself, or joins a torchrun launch.",
@@ -192,7 +220,9 @@ CACHE_DIR = typer.Option(None, "--cache-dir", help="Compile cache folder (defaul
 
 @app.command(short_help="Trace and compile a model's entries, once per bucket, into a bundle.")
 def build(
-    model_dir: Optional[str] = typer.Argument(None, help="Hugging Face model folder (config.json, *.safetensors), or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
+    model_dir: Optional[str] = typer.Argument(
+        None, help="Hugging Face model folder (config.json, *.safetensors), or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."
+    ),
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
@@ -207,7 +237,9 @@ def build(
     expert_parallel: int = EXPERT_PARALLEL,
     data_parallel_attention: bool = DATA_PARALLEL_ATTENTION,
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Parallel compile processes, at most the machine's CPUs (default: from cores and free memory)."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."),
+    out: Optional[Path] = typer.Option(
+        None, "-o", "--out", help="Bundle folder (default: artifacts/<model folder name>): new, empty, or an aotc bundle to replace; never the model folder."
+    ),
     cache_dir: Optional[Path] = CACHE_DIR,
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile everything; neither read nor fill the compile cache."),
     require_cache: bool = typer.Option(False, "--require-cache", help="Fail, naming them, if any artifact is not cached (deploy jobs)."),
@@ -219,7 +251,8 @@ def build(
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from .backends import get_backend_class
-    from .build import build as run_build, parse_shard
+    from .build import build as run_build
+    from .build import parse_shard
 
     _stop_on_sigterm()
 
@@ -233,11 +266,29 @@ def build(
 
         model_path, hub = resolve_model(model_dir, revision)  # a Hub id may download: interruptible
         options = _build_options(
-            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
-            out=out, jobs=jobs, cache_dir=cache_dir, use_cache=not no_cache, require_cache=require_cache,
-            remote_cache=remote_cache, shard=parse_shard(shard) if shard else None, hub=hub, kv_cache_dtype=kv_cache_dtype,
-            modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-            data_parallel_attention=data_parallel_attention, force=force,
+            model_path,
+            buckets,
+            prefill_chunk,
+            max_seq,
+            backend,
+            device,
+            compiler_flag,
+            plugin,
+            context_buckets,
+            out=out,
+            jobs=jobs,
+            cache_dir=cache_dir,
+            use_cache=not no_cache,
+            require_cache=require_cache,
+            remote_cache=remote_cache,
+            shard=parse_shard(shard) if shard else None,
+            hub=hub,
+            kv_cache_dtype=kv_cache_dtype,
+            modeling=modeling,
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+            data_parallel_attention=data_parallel_attention,
+            force=force,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         # Off a terminal rich's live bars render only at exit: a CI log (stdout to a file or a
@@ -281,8 +332,7 @@ def build(
     if result.graphs_traced:
         layers = len({(path, v.spec.method) for v in result.variants for path, _ in v.instances})  # context buckets: one instance
         console.print(
-            f"traced {result.graphs_traced} graphs for {len(entries)} entries serving {layers} module instances "
-            f"in {result.seconds:.1f} s -> {where}",
+            f"traced {result.graphs_traced} graphs for {len(entries)} entries serving {layers} module instances in {result.seconds:.1f} s -> {where}",
             markup=False,
         )
     else:
@@ -331,7 +381,9 @@ app.add_typer(cache_app, name="cache")
 
 @cache_app.command("key")
 def cache_key_command(
-    model_dir: str = typer.Argument(..., help="What aotc build takes: a model folder, or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
+    model_dir: str = typer.Argument(
+        ..., help="What aotc build takes: a model folder, or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."
+    ),
     buckets: str = BUCKETS,
     prefill_chunk: str = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
@@ -355,9 +407,22 @@ def cache_key_command(
     try:
         model_path, hub = resolve_model(model_dir, revision)
         options = _build_options(
-            model_path, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets,
-            kv_cache_dtype=kv_cache_dtype, modeling=modeling, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-            data_parallel_attention=data_parallel_attention, hub=hub, force=True,  # writes nothing
+            model_path,
+            buckets,
+            prefill_chunk,
+            max_seq,
+            backend,
+            device,
+            compiler_flag,
+            plugin,
+            context_buckets,
+            kv_cache_dtype=kv_cache_dtype,
+            modeling=modeling,
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+            data_parallel_attention=data_parallel_attention,
+            hub=hub,
+            force=True,  # writes nothing
         )
         print(build_key(options))
     except AotcError as e:
@@ -367,7 +432,9 @@ def cache_key_command(
 @cache_app.command("ls")
 def cache_ls(
     cache_dir: Optional[Path] = CACHE_DIR,
-    filter_: Optional[str] = typer.Option(None, "--filter", help="Only the entries whose model, entry or backend contains this text (e.g. a model name, LlamaDecoderLayer.decode, inductor)."),
+    filter_: Optional[str] = typer.Option(
+        None, "--filter", help="Only the entries whose model, entry or backend contains this text (e.g. a model name, LlamaDecoderLayer.decode, inductor)."
+    ),
 ):
     """List the cached artifacts: what each was compiled for (model, entry and bucket,
     backend, from the finished builds' recipes), its size and when it was last used."""
@@ -401,7 +468,11 @@ def cache_ls(
 
 @cache_app.command("prune")
 def cache_prune(
-    max_size: str = typer.Option(..., "--max-size", help="Keep at most this much, dropping least recently used first: decimal units as sizes are printed (2G = 2e9 bytes, 500M, 0), or binary ones spelled out (1.5GiB); at most 1000000T."),
+    max_size: str = typer.Option(
+        ...,
+        "--max-size",
+        help="Keep at most this much, dropping least recently used first: decimal units as sizes are printed (2G = 2e9 bytes, 500M, 0), or binary ones spelled out (1.5GiB); at most 1000000T.",
+    ),
     cache_dir: Optional[Path] = CACHE_DIR,
 ):
     """Shrink the cache to a size, and remove what dead builds left behind."""
@@ -419,23 +490,44 @@ def run(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build (with --eager: a model folder or Hub id ORG/NAME)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or Hugging Face Hub id (ORG/NAME) with the weights (default: the one the bundle was built from)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of --model ORG/NAME."),
-    prompt: list[str] = typer.Option([], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128, cut to fit the bundle)."),
+    prompt: list[str] = typer.Option(
+        [], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128, cut to fit the bundle)."
+    ),
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
-    messages: list[Path] = typer.Option([], "--messages", show_default=False, help='FILE.json: a conversation, as the OpenAI message list ([{"role": "system", "content": ...}, {"role": "user", ...}, ...]), sent through the chat template as one prompt; repeat for a batch (after the --prompt ones).'),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."),
+    messages: list[Path] = typer.Option(
+        [],
+        "--messages",
+        show_default=False,
+        help='FILE.json: a conversation, as the OpenAI message list ([{"role": "system", "content": ...}, {"role": "user", ...}, ...]), sent through the chat template as one prompt; repeat for a batch (after the --prompt ones).',
+    ),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, show_default=False, help="Tokens to generate per prompt (default: generation_config.json's max_new_tokens, else 32)."
+    ),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, help="Prompts per batch (default: the largest batch bucket)."),
-    check: bool = typer.Option(False, "--check", help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (docs/verify.md, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json)."),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="Also run the eager model; exit 1 unless the bundle keeps to the fidelity rule (docs/verify.md, Fidelity): float32, every token eager's (a near-tie reported, not failed) and logits within 1e-3 + 1e-3 x |eager| (x5 on xla and neuron); lower precision, an error against float32 eager at most max(2 x eager's own at that precision, 1e-3). Names each module class whose compiled form runs another algorithm than its eager code (check.algorithms in --json).",
+    ),
     eager: bool = typer.Option(False, "--eager", help="Generate with the eager model alone, no bundle: PATH is a model folder."),
     plugin: list[str] = PLUGIN,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of streaming text."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel, 1 to the machine's CPUs (default: the CPUs that other processes leave free, re-read every tenth of a second)."),
+    threads: Optional[int] = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        show_default=False,
+        help="CPU threads per kernel, 1 to the machine's CPUs (default: the CPUs that other processes leave free, re-read every tenth of a second).",
+    ),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest (printed by aotc build and aotc inspect) is this one."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="Sample at this temperature (0: greedy, the default)."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Sample from the K most likely tokens only (0: all)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the most likely tokens whose probabilities reach P, in (0, 1] (1: all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Sample only tokens at least P times as likely as the most likely one, in [0, 1] (0: all)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of each prompt's random stream: the same seed gives the same tokens (default: a fresh one)."),
-    stop: list[str] = typer.Option([], "--stop", show_default=False, help="TEXT: end a prompt's generation where its text reaches TEXT, which is left out of the output; repeat for several."),
+    stop: list[str] = typer.Option(
+        [], "--stop", show_default=False, help="TEXT: end a prompt's generation where its text reaches TEXT, which is left out of the output; repeat for several."
+    ),
 ):
     """Generation through a bundle (or, with --eager, with the eager model), greedy unless
     --temperature says otherwise. Stops at the model's eos tokens (generation_config.json's,
@@ -446,14 +538,14 @@ def run(
     (--tensor-parallel) runs as that many local ranks, started and watched here, or as
     the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints. Every wait on
     other ranks lasts at most AOTC_RANK_TIMEOUT seconds (default 60)."""
+    from .format import read_manifest
     from .models.base import load_model, memory_shortfall
+    from .models.config import model_file, read_json_object
     from .models.generation import generation_defaults
     from .models.hub import resolve_model
-    from .plugins import load_plugins
-    from .format import read_manifest
     from .parallel import joined_rank
+    from .plugins import load_plugins
     from .runtime import generate
-    from .models.config import model_file, read_json_object
     from .runtime.bundle import check_pin
     from .runtime.generate import check_lengths
     from .runtime.sampling import SamplingError, SamplingParams
@@ -499,7 +591,9 @@ def run(
             # model's rotary tables and trained range end), as a bundle's max_seq does.
             positions = getattr(loaded.config, "max_position_embeddings", None)
             if positions is not None:
-                check_lengths(prompts, new_tokens, positions, f"{model_dir / 'config.json'} allows (max_position_embeddings {positions}). Shorten the prompt or lower --max-new-tokens")
+                check_lengths(
+                    prompts, new_tokens, positions, f"{model_dir / 'config.json'} allows (max_position_embeddings {positions}). Shorten the prompt or lower --max-new-tokens"
+                )
             max_seq = loaded.model.round_max_seq(max(map(len, prompts)) + new_tokens)
             short = memory_shortfall(loaded.model, (max_batch or len(prompts)) + 1, max_seq)
             if short:
@@ -723,9 +817,19 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only; 0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port to listen on (0: any free one, printed)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients send (default: the bundle folder's name)."),
-    api_key: list[str] = typer.Option([], "--api-key", show_default=False, help="KEY: requests must send Authorization: Bearer KEY; repeat for several keys (default: none needed). /health and /metrics are open."),
+    api_key: list[str] = typer.Option(
+        [],
+        "--api-key",
+        show_default=False,
+        help="KEY: requests must send Authorization: Bearer KEY; repeat for several keys (default: none needed). /health and /metrics are open.",
+    ),
     max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests that may wait while every cache slot is taken; one more gets 429 with Retry-After."),
-    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds a SIGTERM lets running requests finish (new ones get 503); streams still running then end with an error event and the exit status is 1."),
+    shutdown_timeout: float = typer.Option(
+        30.0,
+        "--shutdown-timeout",
+        min=0.0,
+        help="Seconds a SIGTERM lets running requests finish (new ones get 503); streams still running then end with an error event and the exit status is 1.",
+    ),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel (default: the CPUs that other processes leave free)."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest is this one."),
     plugin: list[str] = PLUGIN,
@@ -789,8 +893,14 @@ def serve_rank(**arguments) -> int:
 @app.command(short_help="Run every artifact against eager, on the model's own inputs.")
 def verify(
     path: Path = typer.Argument(..., help="Bundle folder written by aotc build."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."),
-    strict: bool = typer.Option(False, "--strict", help="Also fail on neuron lint findings: dynamic dimensions, f64, 64-bit integers, custom calls in the HLO, and ops that neuronx-cc list-operators does not list (where it is installed)."),
+    model: Optional[Path] = typer.Option(
+        None, "--model", help="Model folder with the weights (default: the one the bundle was built from, if it is still there; else random weights of the right shapes)."
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Also fail on neuron lint findings: dynamic dimensions, f64, 64-bit integers, custom calls in the HLO, and ops that neuronx-cc list-operators does not list (where it is installed).",
+    ),
     entry: Optional[str] = typer.Option(None, "--entry", help="Check this entry's artifacts only (an id as aotc inspect lists it, e.g. LlamaDecoderLayer.decode)."),
     bucket: Optional[int] = typer.Option(None, "--bucket", help="With --entry: the artifact of this bucket only."),
     context: Optional[int] = CONTEXT,
@@ -810,8 +920,8 @@ def verify(
     1e-3); error = max |diff| / (1 + |reference|). Exit 1 on any mismatch. Lists each
     module class whose compiled form runs another algorithm than the eager method it is
     compared with."""
-    from .runtime.verify import verify as run_verify
     from .format import artifact_label
+    from .runtime.verify import verify as run_verify
 
     try:
         report = run_verify(path, model, plugin, strict, entry, bucket, context)
@@ -827,7 +937,18 @@ def verify(
             table.add_column(col, justify="left" if col in ("entry", "reference", "result") else "right", no_wrap=col == "entry")
         for a in report.artifacts:
             ref = "" if a.reference_vs is None else f"{a.reference} vs {a.reference_vs} {a.reference_max_abs:.2g}"
-            table.add_row(a.entry, str(a.bucket), "" if a.context is None else str(a.context), str(a.rows), f"{a.max_abs:.2g}", f"{a.max_rel:.2g}", f"{a.error:.2g}", f"{a.allowed:.2g}", ref, "[green]ok[/]" if a.passed else "[red]FAIL[/]")
+            table.add_row(
+                a.entry,
+                str(a.bucket),
+                "" if a.context is None else str(a.context),
+                str(a.rows),
+                f"{a.max_abs:.2g}",
+                f"{a.max_rel:.2g}",
+                f"{a.error:.2g}",
+                f"{a.allowed:.2g}",
+                ref,
+                "[green]ok[/]" if a.passed else "[red]FAIL[/]",
+            )
         console.print(table)
         for a in report.artifacts:
             for problem in a.problems:
@@ -849,7 +970,11 @@ def bisect(
     bucket: int = typer.Option(..., "--bucket", help="The artifact's bucket."),
     context: Optional[int] = CONTEXT,
     model: Optional[Path] = typer.Option(None, "--model", help="Model folder to trace again (default: the one the bundle was built from)."),
-    compiler: Optional[str] = typer.Option(None, "--compiler", help="CMD run in place of neuronx-cc, with the same argv (compile hlo.pb ... --output model.neff): any HLO checker that fails with a non-zero exit works, an NCC_ code in its output naming the failure."),
+    compiler: Optional[str] = typer.Option(
+        None,
+        "--compiler",
+        help="CMD run in place of neuronx-cc, with the same argv (compile hlo.pb ... --output model.neff): any HLO checker that fails with a non-zero exit works, an NCC_ code in its output naming the failure.",
+    ),
     work: Optional[Path] = typer.Option(None, "--work", help="Folder for the attempts (default: a new temporary folder); kept for inspection."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     plugin: list[str] = PLUGIN,
@@ -871,7 +996,11 @@ def bisect(
     if as_json:
         print(json.dumps(dataclasses.asdict(result)))
         return
-    console.print(f"{artifact_label(result.entry, result.bucket, result.context)} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):", highlight=False, markup=False)
+    console.print(
+        f"{artifact_label(result.entry, result.bucket, result.context)} fails with {result.code}; the smallest failing range is {len(result.nodes)} of {result.total_nodes} nodes ({result.runs} compiler runs):",
+        highlight=False,
+        markup=False,
+    )
     for node, source in zip(result.nodes, result.sources):
         console.print(f"  {node}    {source}", highlight=False, markup=False)
     console.print(f"minimal HLO: {result.hlo}\nlog: {result.log}\nreproduce: {result.command}\nwork folder: {result.work}", highlight=False, markup=False)
@@ -917,7 +1046,9 @@ def inspect(
         kinds = [i.kind for i in art.inputs]
         inputs = f"{len(e.weights)}/{kinds.count('cache')}/{kinds.count('activation')}"
         outs = " ".join("x".join(map(str, o.shape)) for o in art.outputs)
-        table.add_row(e.id, str(len(e.instances)), str(art.bucket), "" if art.context is None else str(art.context), art.form, inputs, outs, f"{art.compile_s:.2f}", art.cache_key[:8])
+        table.add_row(
+            e.id, str(len(e.instances)), str(art.bucket), "" if art.context is None else str(art.context), art.form, inputs, outs, f"{art.compile_s:.2f}", art.cache_key[:8]
+        )
     console.print(table)
 
 

@@ -57,10 +57,7 @@ def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None,
         params = tuple(inspect.signature(fn).parameters)[1:]
         for name in (*caches, *(pad or {}), *([context] if context else [])):
             if name not in params:
-                raise TraceError(
-                    f"@entry on {fn.__qualname__}: {name!r} is not an argument; "
-                    f"its arguments are {', '.join(params)}"
-                )
+                raise TraceError(f"@entry on {fn.__qualname__}: {name!r} is not an argument; its arguments are {', '.join(params)}")
         if context in caches:
             raise TraceError(f"@entry on {fn.__qualname__}: context={context!r} must name the positions argument, not a cache")
         kinds = {p.kind for p in list(inspect.signature(fn).parameters.values())[1:]}

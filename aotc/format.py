@@ -595,10 +595,7 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         raise error(f"{source}: expected a JSON object, got {_json_type(head)}; rebuild the bundle (aotc build)")
     version = head.get("format_version")
     if version != FORMAT_VERSION:
-        raise error(
-            f"{source}: format_version is {version!r}, this aotc reads format {FORMAT_VERSION} only; "
-            "rebuild the bundle with this aotc (aotc build)"
-        )
+        raise error(f"{source}: format_version is {version!r}, this aotc reads format {FORMAT_VERSION} only; rebuild the bundle with this aotc (aotc build)")
     manifest = decode(data, Manifest, source, error)
     kind = _artifact_kind(manifest, source, error)
     unknown = unknown_field(head, Manifest) or next(
@@ -629,9 +626,7 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             names = {entry.bucket_kind} | ({"context"} if entry.context_arg is not None else set())
             if set(art.dims) != names or art.dims[entry.bucket_kind] != art.bucket:
                 expected = {entry.bucket_kind: art.bucket} | ({"context": "C"} if entry.context_arg is not None else {})
-                raise error(
-                    f"{where}.dims: expected {expected} (entries[{i}].context_arg is {entry.context_arg!r}), got {art.dims}; rebuild the bundle"
-                )
+                raise error(f"{where}.dims: expected {expected} (entries[{i}].context_arg is {entry.context_arg!r}), got {art.dims}; rebuild the bundle")
         kinds = manifest.shapes.buckets(entry.bucket_kind)
         if entry.context_arg is None:  # the dims check above: no artifact of it has a context
             want, have, what = sorted(kinds), sorted(a.bucket for a in entry.artifacts), "buckets"

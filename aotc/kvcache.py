@@ -24,8 +24,8 @@ from functools import cached_property
 
 import torch
 
-from .fp8 import E4M3FN_MAX, quantize_fp8
 from .format import KvCacheRecord
+from .fp8 import E4M3FN_MAX, quantize_fp8
 
 # trn2 reads float8_e4m3fn bytes as IEEE e4m3 (largest finite 240): activations and
 # caches quantize to 224 there, leaving rounding room (../shared/DESIGN.md).

@@ -25,8 +25,7 @@ def load_plugins(names: list[str] | tuple[str, ...]) -> list[str]:
         except Exception as e:  # any failure in the user's module is theirs to see, with its line
             where = traceback.extract_tb(e.__traceback__)[-1]
             raise AotcError(
-                f"--plugin {name}: importing it failed with {type(e).__name__}: {e} "
-                f"({where.filename}:{where.lineno}); is its package installed or on PYTHONPATH?"
+                f"--plugin {name}: importing it failed with {type(e).__name__}: {e} ({where.filename}:{where.lineno}); is its package installed or on PYTHONPATH?"
             ) from None
         new = sorted((set(architectures()) | set(registered_backends())) - before)
         ours = [a.model_class for a in architectures().values()] + list(registered_backends().values())

@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import quant
-from .errors import ConfigError, WeightsError
 from .cache.local import writer_locks
+from .errors import ConfigError, WeightsError
 from .format import temp_folder, umask, writers_turn
 from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file

@@ -13,8 +13,8 @@ import contextlib
 import dataclasses
 import inspect
 import traceback
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,9 +26,9 @@ from . import heap
 from .entry import FREEZERS, EntrySpec, entries_of
 from .errors import TraceError
 from .format import ParallelRecord, PassRecord, RegionSpec, ShardSpec, TensorSpec, WeightSpec
-from .parallel import SINGLE
 from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of, weights_of
 from .models.base import fake_tensor_mode
+from .parallel import SINGLE
 from .passes import needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
 from .passes.strip_data_dependent import unbacked_in
@@ -315,10 +315,7 @@ def trace(variant: Variant, bucket: int, shapes: Shapes, backend: "Backend | Non
             # empty_strided, not .to(): a cache view of the first `context` positions keeps its strides.
             args = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=shapes.device) for a in args)
     if len(args) != len(spec.params):
-        raise TraceError(
-            f"{variant.cls.__qualname__}.example_inputs({spec.method!r}) returned {len(args)} tensors; "
-            f"the method takes {len(spec.params)}: {', '.join(spec.params)}"
-        )
+        raise TraceError(f"{variant.cls.__qualname__}.example_inputs({spec.method!r}) returned {len(args)} tensors; the method takes {len(spec.params)}: {', '.join(spec.params)}")
     names = list(weights)
     narrow: dict[int, list[tuple[int, int]]] = {}
     if backend is not None and not backend.views:
@@ -454,8 +451,7 @@ def _outputs(gm, variant: Variant, bucket: int) -> list[TensorSpec]:
         root, _ = alias_root(node)
         if root.op == "placeholder":
             raise TraceError(
-                f"{variant.entry_id}: output {i} is (a view of) input {root.name}; caches are written in place "
-                "and never returned, and inputs are never returned as outputs"
+                f"{variant.entry_id}: output {i} is (a view of) input {root.name}; caches are written in place and never returned, and inputs are never returned as outputs"
             )
         val = node.meta["val"]
         if not val.shape or val.shape[0] != bucket:
@@ -477,8 +473,7 @@ def _check_mutations(gm, inputs: list[TensorSpec], variant: Variant) -> None:
                 continue
             if info.kind != "cache":
                 raise TraceError(
-                    f"{source_line(node)}: {variant.entry_id} writes into {info.kind} {info.path or info.name!r}; "
-                    "only arguments named in @entry(caches=...) may be written"
+                    f"{source_line(node)}: {variant.entry_id} writes into {info.kind} {info.path or info.name!r}; only arguments named in @entry(caches=...) may be written"
                 )
             direct = node.target in (torch.ops.aten.index_put_.default, torch.ops.aten.index_copy_.default)
             if views or not direct:
@@ -493,10 +488,7 @@ def _explain_failure(what: str, verb: str, e: Exception) -> str:
     # The user's frames: not torch's, and not aotc's own machinery (its models are user code here).
     aotc_dir = Path(__file__).parent
     machinery = (str(Path(torch.__file__).parent), str(aotc_dir))
-    frames = [
-        f for f in traceback.extract_tb(e.__traceback__)
-        if not f.filename.startswith(machinery) or f.filename.startswith(str(aotc_dir / "models"))
-    ]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(machinery) or f.filename.startswith(str(aotc_dir / "models"))]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     hint = ""
     lowered = (text + type(e).__name__).lower()

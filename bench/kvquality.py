@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from common import HERE, table
 from smollm2 import smollm2
 

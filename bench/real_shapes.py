@@ -100,7 +100,9 @@ def build_8b(work: Path) -> dict:
     nbytes = sparse_safetensors(model / "model.safetensors", llama_tensors(LLAMA_8B))
     disk = os.stat(model / "model.safetensors").st_blocks * 512
     print(f"8B-shaped: {nbytes / 1e9:.1f} GB of bf16 weights in a sparse file using {disk / 1e6:.1f} MB of disk", flush=True)
-    r, seconds, peak = aotc("build", model, "--backend", "inductor", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", "131072", "--no-cache", "-o", work / "llama-8b-bundle")
+    r, seconds, peak = aotc(
+        "build", model, "--backend", "inductor", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", "131072", "--no-cache", "-o", work / "llama-8b-bundle"
+    )
     warned = [line for line in r.stderr.splitlines() + r.stdout.splitlines() if "warning" in line.lower()]
     return {"weights_gb": round(nbytes / 1e9, 2), "disk_mb": round(disk / 1e6, 1), "build_s": round(seconds, 1), "peak_rss_gb": round(peak, 2), "warnings": warned}
 

@@ -12,7 +12,6 @@ from aotc.backends.base import Step
 from aotc.build import BuildOptions, build
 from aotc.models.tiny import write_tiny
 
-
 # xdist's workers share the machine's cores: each runs torch (and the processes its tests
 # start) on its share of them. At torch's default, every worker's OpenMP regions span all
 # the cores, and two workers' threads spin against each other: on this 2-core machine the
@@ -141,7 +140,9 @@ def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24, long_p
         assert report.passed, [(p.matching_tokens, p.error, p.bound, p.near_tie_gap) for p in report.per_prompt]
         if exact:  # every token the reference's (full precision), or eager's at the bundle's precision
             if smallest_gap is None:
-                assert all(p.twin_new_ids == s.new_ids for p, s in zip(report.per_prompt, got.sequences)), [(p.twin_new_ids, s.new_ids) for p, s in zip(report.per_prompt, got.sequences)]
+                assert all(p.twin_new_ids == s.new_ids for p, s in zip(report.per_prompt, got.sequences)), [
+                    (p.twin_new_ids, s.new_ids) for p, s in zip(report.per_prompt, got.sequences)
+                ]
             else:
                 assert report.tokens_equal, [(p.matching_tokens, p.near_tie_gap) for p in report.per_prompt]
         if smallest_gap is not None:
@@ -233,6 +234,7 @@ def cross_weights(manifest_file, a="mlp.gate_proj.weight", b="mlp.up_proj.weight
 def wrap_steps(dispatcher, wrap) -> None:
     """Each step of one bound entry method (a Dispatcher) replaced, for this instance only,
     by one whose run is wrap(context, bucket, run) (run: the step's own)."""
+
     def through(context, bucket, step):
         def run(args, call=0):
             return wrap(context, bucket, lambda a: step.run(a, call))(args)

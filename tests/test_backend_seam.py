@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 import aotc
 from aotc.backends import Backend, CompileResult, Program, Specs, backend_names, register_backend
 from aotc.backends.base import HOST, Step, Weights
-from aotc.backends.export_archive import check_archive
 from aotc.backends.export import save_program
+from aotc.backends.export_archive import check_archive
 from aotc.cli import app
 
 from .conftest import assert_check_report
@@ -101,12 +101,17 @@ def test_a_backend_from_a_plugin_builds_runs_checks_and_verifies(tiny_dir, tmp_p
     runner = CliRunner()
     out = tmp_path / "bundle"
     plugin = ["--plugin", __name__]
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--no-cache", "-o", str(out)])
+    r = runner.invoke(
+        app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--no-cache", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"]["name"] == "fx_interpreter" and manifest["plugins"] == [__name__]
     assert {name for e in manifest["entries"] for a in e["artifacts"] for name in a["files"]} == {PROGRAM}
-    r = runner.invoke(app, ["run", str(out), *plugin, "--check", "--json", "--max-new-tokens", "6", "--prompt", "Hello", "--prompt", "one two three four five six seven eight nine ten eleven twelve"])
+    r = runner.invoke(
+        app,
+        ["run", str(out), *plugin, "--check", "--json", "--max-new-tokens", "6", "--prompt", "Hello", "--prompt", "one two three four five six seven eight nine ten eleven twelve"],
+    )
     assert r.exit_code == 0, r.output
     assert_check_report(json.loads(r.output), "export")  # the same aten ops as eager: export's tolerance
     r = runner.invoke(app, ["verify", str(out), *plugin, "--json"])

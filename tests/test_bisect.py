@@ -75,10 +75,16 @@ def test_bisect_finds_the_node_and_its_source_line(neuron_bundle, failing_on, tm
 def test_bisect_cli_json_and_another_compiler(neuron_bundle, failing_on, tmp_path):
     failing_on("dot")  # the first matmul: q_proj
     compiler = f"{sys.executable} {FAKES / 'neuronx-cc'}"  # any command taking neuronx-cc's argv
-    r = CliRunner().invoke(app, ["bisect", str(neuron_bundle), "--entry", "LlamaDecoderLayer.prefill", "--bucket", "16", "--compiler", compiler, "--json", "--work", str(tmp_path / "w")])
+    r = CliRunner().invoke(
+        app, ["bisect", str(neuron_bundle), "--entry", "LlamaDecoderLayer.prefill", "--bucket", "16", "--compiler", compiler, "--json", "--work", str(tmp_path / "w")]
+    )
     assert r.exit_code == 0, r.output
     result = json.loads(r.output)
-    assert result["code"] == "NCC_IINL902" and len(result["nodes"]) == 1 and "self.q_proj(x)" in Path(sys.modules["aotc.models.llama"].__file__).read_text().splitlines()[int(result["sources"][0].split("line ")[1].split(",")[0]) - 1]
+    assert (
+        result["code"] == "NCC_IINL902"
+        and len(result["nodes"]) == 1
+        and "self.q_proj(x)" in Path(sys.modules["aotc.models.llama"].__file__).read_text().splitlines()[int(result["sources"][0].split("line ")[1].split(",")[0]) - 1]
+    )
     assert result["command"].split(" && ")[1].startswith(compiler)
     assert (tmp_path / "w").is_dir()
 
@@ -139,7 +145,9 @@ def test_build_verify_and_bisect_piped_into_a_file_print_every_line_whole(neuron
         f"aotc bisect {neuron_bundle} --entry LlamaDecoderLayer.decode --bucket 1 --work {work} > {deep}/bisect.txt 2>&1"
     )
     deep.mkdir()
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    r = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    )
     texts = {name: (deep / f"{name}.txt").read_text() for name in ("build", "verify", "bisect") if (deep / f"{name}.txt").exists()}
     assert r.returncode == 0, texts
     for name, text in texts.items():

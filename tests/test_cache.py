@@ -20,9 +20,9 @@ from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.build import BuildOptions, build, build_keys
 from aotc.cache import CacheError, LocalCache
+from aotc.cli import app
 from aotc.errors import AotcError
 from aotc.format import CompiledRecord
-from aotc.cli import app
 from aotc.models.tiny import write_tiny
 
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
@@ -134,7 +134,16 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     for lock in held:
         lock.acquire()
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args), "-o", tmp_path / f"b{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}) for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "aotc.cli", *map(str, args), "-o", tmp_path / f"b{i}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "COLUMNS": "200"},
+            )
+            for i in range(2)
+        ]
         wait_until_all_idle(procs)
     finally:
         for lock in held:
@@ -150,7 +159,24 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
 @pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
 def test_build_killed_mid_compile_leaves_nothing_served(tiny_dir, tmp_path):
     cache = tmp_path / "cache"
-    args = ["build", tiny_dir, "--backend", "inductor", "--jobs", "1", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", cache, "-o", tmp_path / "bundle"]
+    args = [
+        "build",
+        tiny_dir,
+        "--backend",
+        "inductor",
+        "--jobs",
+        "1",
+        "--buckets",
+        "1",
+        "--prefill-chunk",
+        "16",
+        "--max-seq",
+        "64",
+        "--cache-dir",
+        cache,
+        "-o",
+        tmp_path / "bundle",
+    ]
     proc = subprocess.Popen([sys.executable, "-m", "aotc.cli", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and not any((cache / "tmp").glob("*")):  # a compile has started
@@ -322,7 +348,28 @@ def test_remote_refusing_writes_is_reported_and_local_cache_is_intact(tiny_dir, 
 
 def test_remote_bucket_missing_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3):
     runner = CliRunner()
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--cache-dir", str(tmp_path / "c"), "--remote-cache", "s3://no-such-bucket/x", "-o", str(tmp_path / "a")], env={"COLUMNS": "200", **s3})
+    r = runner.invoke(
+        app,
+        [
+            "build",
+            str(tiny_dir),
+            "--backend",
+            "export",
+            "--buckets",
+            "1,2",
+            "--prefill-chunk",
+            "16",
+            "--max-seq",
+            "64",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--remote-cache",
+            "s3://no-such-bucket/x",
+            "-o",
+            str(tmp_path / "a"),
+        ],
+        env={"COLUMNS": "200", **s3},
+    )
     assert r.exit_code == 0, r.output
     assert "remote cache unavailable, build went on without it" in r.output and "NoSuchBucket" in r.output
     cache = LocalCache(tmp_path / "c")
@@ -348,7 +395,7 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
     """docs/ci/github-actions.yml runs docs/ci/aotc-ci.sh; run it the same way: key, 2 shards, assemble."""
     script = ROOT / "docs" / "ci" / "aotc-ci.sh"
     workflow = (ROOT / "docs" / "ci" / "github-actions.yml").read_text()
-    for step in ('docs/ci/aotc-ci.sh key', 'docs/ci/aotc-ci.sh shard', 'docs/ci/aotc-ci.sh assemble', "matrix", "actions/cache"):
+    for step in ("docs/ci/aotc-ci.sh key", "docs/ci/aotc-ci.sh shard", "docs/ci/aotc-ci.sh assemble", "matrix", "actions/cache"):
         assert step in workflow
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AOTC_BUILD_ARGS": "--backend export --buckets 1,2 --prefill-chunk 16 --max-seq 64", "COLUMNS": "200"}

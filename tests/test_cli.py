@@ -172,7 +172,7 @@ def test_check_exits_1_when_tokens_differ(built, monkeypatch):
 
 
 # A plugin backend: export's, but each compile after the first waits for the file $GATE.
-GATED = '''
+GATED = """
 import os
 import time
 from pathlib import Path
@@ -194,7 +194,7 @@ class GatedBackend(ExportBackend):
                 raise RuntimeError("nobody read the first artifact's line")
             time.sleep(0.02)
         return super().compile(program, specs, out_dir)
-'''
+"""
 
 
 def test_a_build_into_a_log_prints_each_artifact_as_it_finishes(tiny_dir, tmp_path):

@@ -81,7 +81,9 @@ def hlo_dynamic_dims(text: str) -> list[str]:
 
 
 # CI runs the cheap backend; xla (3 minutes here) under slow.
-@pytest.mark.parametrize("backend", ["export", pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax")])])
+@pytest.mark.parametrize(
+    "backend", ["export", pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.skipif(XlaBackend().can_compile() is not None, reason="needs jax and torchax")])]
+)
 def test_v4_builds_and_matches_eager(request, v4_dir, tmp_path, backend):
     result = built(request, v4_dir, tmp_path, backend)
     manifest = result.manifest
@@ -173,7 +175,9 @@ def test_v4_neuron_cross_build_writes_static_hlo_and_commands(v4_dir, tmp_path, 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the build stops after the HLO
     result = v4_build(v4_dir, tmp_path, "neuron")
     arts = list(result.manifest.artifacts())
-    assert len(arts) == 18 and all(a.pending for _, a in arts)  # batch graphs: 2 sliding decodes, CSA and HCA decode at 2 context buckets each, the head; at 2 buckets each; 4 prefill
+    assert len(arts) == 18 and all(
+        a.pending for _, a in arts
+    )  # batch graphs: 2 sliding decodes, CSA and HCA decode at 2 context buckets each, the head; at 2 buckets each; 4 prefill
     for _, art in arts:
         folder = result.out / art.dir
         assert set(art.files) == {"hlo.pb", "hlo.txt", "command.txt"}

@@ -143,9 +143,15 @@ def test_a_bf16_v4_sums_its_parts_in_fp32_and_rank_1_traces_the_same_graphs(tmp_
 
 
 def test_degrees_and_models_without_an_expert_plan_are_refused(v4_dir, tiny_dir, tmp_path):
-    with pytest.raises(AotcError, match=r"--expert-parallel 3: model\.layers\.\*\.ffn\.experts\.\*\.w1\.weight: 8 routed experts \(n_routed_experts\) do not split into 3 equal parts; valid degrees for this model: 1, 2, 4, 8$"):
+    with pytest.raises(
+        AotcError,
+        match=r"--expert-parallel 3: model\.layers\.\*\.ffn\.experts\.\*\.w1\.weight: 8 routed experts \(n_routed_experts\) do not split into 3 equal parts; valid degrees for this model: 1, 2, 4, 8$",
+    ):
         build(ep_options(v4_dir, tmp_path / "b", degree=3))
-    with pytest.raises(AotcError, match=r"--expert-parallel 2: llama models have no expert-parallel plan in aotc \(DeepSeek V4 has one, and a transformers model whose config class has base_model_ep_plan\); build it with --expert-parallel 1"):
+    with pytest.raises(
+        AotcError,
+        match=r"--expert-parallel 2: llama models have no expert-parallel plan in aotc \(DeepSeek V4 has one, and a transformers model whose config class has base_model_ep_plan\); build it with --expert-parallel 1",
+    ):
         build(ep_options(tiny_dir, tmp_path / "b"))
     with pytest.raises(AotcError, match="--tensor-parallel 2 --expert-parallel 2: aotc builds one of them at a time"):
         ep_options(v4_dir, tmp_path / "b", tensor_parallel=2)

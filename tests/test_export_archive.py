@@ -80,12 +80,21 @@ def _set(path_fn, key, value):
 
 
 CASES = {
-    "an extra member": (lambda m: {**m, member(m, "models/model.json").replace("models/model.json", "data/constants/c0.pt"): b"x"}, r"unexpected members \['data/constants/c0.pt'\]"),
+    "an extra member": (
+        lambda m: {**m, member(m, "models/model.json").replace("models/model.json", "data/constants/c0.pt"): b"x"},
+        r"unexpected members \['data/constants/c0.pt'\]",
+    ),
     "a missing member": (lambda m: {k: v for k, v in m.items() if not k.endswith("byteorder")}, r"unexpected members \['byteorder'\]"),
     "members in two folders": (lambda m: {**m, "other/archive_format": b"pt2"}, r"members in several folders \['other', 'program'\]"),
     "pickled sample inputs": (lambda m: {**m, member(m, "sample_inputs/model.pt"): b"\x80\x04K\x01."}, "it carries pickled sample inputs"),
-    "weights": (lambda m: {**m, member(m, "model_weights_config.json"): json.dumps({"config": {"w": {"path_name": "w"}}}).encode()}, r"data/weights/model_weights_config.json names pickled tensors"),
-    "constants": (lambda m: {**m, member(m, "model_constants_config.json"): json.dumps({"config": {"c": {"path_name": "c"}}}).encode()}, r"data/constants/model_constants_config.json names pickled tensors"),
+    "weights": (
+        lambda m: {**m, member(m, "model_weights_config.json"): json.dumps({"config": {"w": {"path_name": "w"}}}).encode()},
+        r"data/weights/model_weights_config.json names pickled tensors",
+    ),
+    "constants": (
+        lambda m: {**m, member(m, "model_constants_config.json"): json.dumps({"config": {"c": {"path_name": "c"}}}).encode()},
+        r"data/constants/model_constants_config.json names pickled tensors",
+    ),
     "no weights record": (lambda m: {k: v for k, v in m.items() if not k.endswith("aotc_weights.json")}, r"unexpected members \['extra/aotc_weights.json'\]"),
     "a weights record of another kind": (lambda m: {**m, member(m, "aotc_weights.json"): b'{"w": 1}'}, r"extra/aotc_weights.json is not a list of weight paths"),
     "not json": (lambda m: {**m, member(m, "models/model.json"): b"{"}, r"not an archive aotc wrote \(JSONDecodeError"),
@@ -96,11 +105,26 @@ CASES = {
     "a custom object output": (program_edit(lambda p: first_node(p)["outputs"].append({"as_custom_obj": {"name": "o"}})), r"returns a 'as_custom_obj'"),
     "custom objects": (program_edit(_set(graph, "custom_obj_values", {"o": {"name": "o"}})), "it carries custom_obj_values"),
     "a parameter input": (program_edit(lambda p: p["graph_module"]["signature"]["input_specs"].append({"parameter": {}})), r"an input of kind \['parameter'\]"),
-    "a buffer mutation output": (program_edit(lambda p: p["graph_module"]["signature"]["output_specs"].append({"buffer_mutation": {}})), r"an output of kind \['buffer_mutation'\]"),
-    "a pytree spec type": (program_edit(lambda p: p["graph_module"].__setitem__("module_call_graph", [{"signature": {"in_spec": '[1, {"type": "os.system", "context": "null"}]'}}])), r'a pytree spec of type "os.system"'),
-    "a range constraint": (program_edit(_set(lambda p: p, "range_constraints", {"__import__('os')": {"min_val": 0, "max_val": 1}})), r"a range constraint on \"__import__\('os'\)\""),
-    "an expression naming a function": (program_edit(_set(graph, "sym_int_values", {"s0": {"as_expr": {"expr_str": "Symbol('s0') + __import__('os').getpid()"}}})), r"a symbolic expression that names '__import__'"),
-    "an expression with an attribute": (program_edit(_set(graph, "sym_int_values", {"s0": {"as_expr": {"expr_str": "Integer(1).evalf"}}})), r"a symbolic expression 'Integer\(1\).evalf' that is not plain integer arithmetic"),
+    "a buffer mutation output": (
+        program_edit(lambda p: p["graph_module"]["signature"]["output_specs"].append({"buffer_mutation": {}})),
+        r"an output of kind \['buffer_mutation'\]",
+    ),
+    "a pytree spec type": (
+        program_edit(lambda p: p["graph_module"].__setitem__("module_call_graph", [{"signature": {"in_spec": '[1, {"type": "os.system", "context": "null"}]'}}])),
+        r'a pytree spec of type "os.system"',
+    ),
+    "a range constraint": (
+        program_edit(_set(lambda p: p, "range_constraints", {"__import__('os')": {"min_val": 0, "max_val": 1}})),
+        r"a range constraint on \"__import__\('os'\)\"",
+    ),
+    "an expression naming a function": (
+        program_edit(_set(graph, "sym_int_values", {"s0": {"as_expr": {"expr_str": "Symbol('s0') + __import__('os').getpid()"}}})),
+        r"a symbolic expression that names '__import__'",
+    ),
+    "an expression with an attribute": (
+        program_edit(_set(graph, "sym_int_values", {"s0": {"as_expr": {"expr_str": "Integer(1).evalf"}}})),
+        r"a symbolic expression 'Integer\(1\).evalf' that is not plain integer arithmetic",
+    ),
 }
 
 

@@ -106,6 +106,7 @@ def test_a_lower_precision_run_passes_with_near_ties_only_never_with_a_wrong_tok
     steps: where both differences are near-ties (the reference's gap within the error
     allowed) the run passes, reporting the widest gap; where one of them is a genuinely
     wrong token (a gap of 0.1 where 0.08 is allowed), it fails, however near the other."""
+
     # The reference (float32 eager, forced along the bundle's tokens) prefers token 0 at
     # steps 1 and 2; the bundle chose token 1 there. Its logits and its twin's are within
     # 0.04 of the reference's: 0.08 allowed (twice the twin's error).

@@ -238,9 +238,18 @@ CROSS_CHECKS = {
     "fp8_max 0": (lambda m: m["model"]["kv_cache"].update(fp8_max=0), "model.kv_cache.fp8_max: 0"),
     "fp8_max negative": (lambda m: m["model"]["kv_cache"].update(fp8_max=-448.0), "model.kv_cache.fp8_max: -448.0"),
     "a cache of no dtype": (lambda m: m["caches"]["k"].update(dtype="float9"), "caches.k.dtype: 'float9' is not a torch dtype"),
-    "cache regions overlapping": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 40}, {"name": "scale", "dtype": "float32", "start": 36, "end": 44}]), "caches.k.regions: bytes 36:44 (float32) overlap"),
-    "a cache region past the row": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 200}]), "caches.k.regions: bytes 0:200 run past the row's 64 bytes"),
-    "a cache region of no dtype": (lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "float9", "start": 0, "end": 8}]), "region dtype 'float9' is not a torch dtype"),
+    "cache regions overlapping": (
+        lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 40}, {"name": "scale", "dtype": "float32", "start": 36, "end": 44}]),
+        "caches.k.regions: bytes 36:44 (float32) overlap",
+    ),
+    "a cache region past the row": (
+        lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "uint8", "start": 0, "end": 200}]),
+        "caches.k.regions: bytes 0:200 run past the row's 64 bytes",
+    ),
+    "a cache region of no dtype": (
+        lambda m: m["caches"]["k"].update(regions=[{"name": "values", "dtype": "float9", "start": 0, "end": 8}]),
+        "region dtype 'float9' is not a torch dtype",
+    ),
     "a duplicated entry": (lambda m: m["entries"].append(copy.deepcopy(m["entries"][0])), "'LlamaDecoderLayer.decode' names two entries"),
     "an entry cls of os.system": (lambda m: _entry(m).update(cls="os.system"), "is not the class's name, its method and a variant number"),
     "an entry id of ../../x": (lambda m: _entry(m).update(id="../../x"), "'../../x' is not the class's name"),

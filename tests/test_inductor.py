@@ -245,7 +245,9 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
     env = {**os.environ, "PATH": str(bindir)}
     assert shutil.which("g++", path=env["PATH"]) is None and shutil.which("c++", path=env["PATH"]) is None
     bundle = inductor_bundles[0].out
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "aotc.cli", "run", str(bundle), "--prompt", "Hello", "--max-new-tokens", "4", "--check"], env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "aotc.cli", "run", str(bundle), "--prompt", "Hello", "--max-new-tokens", "4", "--check"], env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every token matches eager" in r.stdout
     # `python -X importtime` lists every module the command imported, nested ones included.
@@ -283,7 +285,9 @@ def test_crossed_weights_are_refused_at_load(inductor_bundles, tmp_path):
     bundle = tmp_path / "crossed"
     shutil.copytree(inductor_bundles[0].out, bundle)
     cross_weights(bundle / "manifest.json")
-    with pytest.raises(BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"):
+    with pytest.raises(
+        BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"
+    ):
         Bundle.load(bundle)
     shutil.rmtree(bundle)
     shutil.copytree(inductor_bundles[0].out, bundle)

@@ -66,7 +66,12 @@ def test_while_traced_the_module_runs_its_compiled_form_on_the_graph_input_and_i
     assert "forward" not in vars(outer.mlp)
     assert compiled_forms(outer) == [compiled_forms(outer.mlp)[0]]
     form = compiled_forms(outer)[0]
-    assert (form.cls, form.modules, form.eager, form.compiled) == ("Experts", 1, "Experts.forward: One matmul per expert.", "Experts.compiled_forward: One batched matmul over the stacked experts.")
+    assert (form.cls, form.modules, form.eager, form.compiled) == (
+        "Experts",
+        1,
+        "Experts.forward: One matmul per expert.",
+        "Experts.compiled_forward: One batched matmul over the stacked experts.",
+    )
 
 
 class NoCompiledForm(nn.Module):

@@ -39,7 +39,10 @@ def edit_weights(path, fn):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(model_type="gpt9", architectures=["GPT9ForCausalLM"]), r"unsupported architecture \(model_type='gpt9'.*knows model_type .*llama.* every decoder-only model transformers has"),
+        (
+            dict(model_type="gpt9", architectures=["GPT9ForCausalLM"]),
+            r"unsupported architecture \(model_type='gpt9'.*knows model_type .*llama.* every decoder-only model transformers has",
+        ),
         (dict(hidden_size=None), r"config.json: missing field 'hidden_size' \(an integer\)"),
         (dict(num_attention_heads="4"), r"field 'num_attention_heads' must be an integer, got '4' \(str\)"),
         (dict(num_attention_heads=3), r"num_attention_heads \(3\) must be a multiple of num_key_value_heads \(2\)"),
@@ -100,4 +103,3 @@ def test_build_never_reads_weight_values(model, monkeypatch):
     assert all(type(p).__name__ == "FakeTensor" for p in fake.model.parameters())
     with pytest.raises(AssertionError, match="weights were read"):
         load_model(model, weights=True)
-

@@ -121,22 +121,35 @@ def test_sharded_checkpoint_loads(tmp_path):
     torch.testing.assert_close(load_model(path).model.prompt_logits(ids), expected, atol=2e-5, rtol=1e-4)
 
 
-QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 128}
+QWEN3 = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"hidden_size": 64.5}, r"field 'hidden_size' must be an integer"),
-    ({"num_attention_heads": 0}, r"field 'num_attention_heads' must be a positive integer, got 0"),
-    ({"max_position_embeddings": 0}, r"field 'max_position_embeddings' must be a positive integer, got 0"),
-    ({"rope_theta": -1}, r"field 'rope_theta' must be a finite number above 0, got -1"),
-    ({"rms_norm_eps": float("nan")}, r"field 'rms_norm_eps' must be a finite number above 0, got nan"),
-    ({"sliding_window": 0}, r"field 'sliding_window' must be a positive integer, got 0"),
-    ({"hidden_act": "os.system"}, r"field 'hidden_act' is 'os.system'; expected one of transformers' activations"),
-    ({"layer_types": ["full_attention"]}, r"field 'layer_types' is \['full_attention'\]; expected a list of one layer kind \(a string\) per layer, num_hidden_layers 2"),
-    ({"layer_types": "full_attention"}, r"field 'layer_types' is 'full_attention'"),
-    ({"layer_types": ["full_attention", "bogus"]}, r"transformers refuses this config \(StrictDataclassClassValidationError"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": 64.5}, r"field 'hidden_size' must be an integer"),
+        ({"num_attention_heads": 0}, r"field 'num_attention_heads' must be a positive integer, got 0"),
+        ({"max_position_embeddings": 0}, r"field 'max_position_embeddings' must be a positive integer, got 0"),
+        ({"rope_theta": -1}, r"field 'rope_theta' must be a finite number above 0, got -1"),
+        ({"rms_norm_eps": float("nan")}, r"field 'rms_norm_eps' must be a finite number above 0, got nan"),
+        ({"sliding_window": 0}, r"field 'sliding_window' must be a positive integer, got 0"),
+        ({"hidden_act": "os.system"}, r"field 'hidden_act' is 'os.system'; expected one of transformers' activations"),
+        ({"layer_types": ["full_attention"]}, r"field 'layer_types' is \['full_attention'\]; expected a list of one layer kind \(a string\) per layer, num_hidden_layers 2"),
+        ({"layer_types": "full_attention"}, r"field 'layer_types' is 'full_attention'"),
+        ({"layer_types": ["full_attention", "bogus"]}, r"transformers refuses this config \(StrictDataclassClassValidationError"),
+    ],
+)
 def test_the_generic_path_checks_a_configs_common_fields_as_aotcs_own_do(tmp_path, change, message):
     """A generic-path config.json (qwen3) with one bad field: refused naming the file and the
     field, before transformers builds a model of it."""

@@ -159,7 +159,11 @@ def test_compiler_killed_by_signal_9_is_an_out_of_memory_message(tiny_dir, tmp_p
 def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     runner = CliRunner()
     out = tmp_path / "bundle"
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)], env={"COLUMNS": "200"})
+    r = runner.invoke(
+        app,
+        ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)],
+        env={"COLUMNS": "200"},
+    )
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "5 artifacts are pending" in said and f"aotc build --resume {out}" in said
@@ -301,7 +305,9 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
 def test_real_neuron_compile_and_run(tiny_dir, tmp_path):
     runner = CliRunner()
     out = tmp_path / "bundle"
-    r = runner.invoke(app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)])
+    r = runner.invoke(
+        app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", str(out), "--check", "--json", "--prompt", "Hello", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
@@ -610,5 +616,8 @@ def test_each_rank_gets_a_core_of_its_own_the_root_and_the_bundles_logical_core_
         rank_environment(trn2, 3, 4)
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-    with pytest.raises(BackendError, match=r"NEURON_LOGICAL_NC_CONFIG=1, but the bundle's NEFFs were compiled for logical cores of 2 \(--logical-nc-config 2\); unset it, or rebuild with --compiler-flag lnc=1"):
+    with pytest.raises(
+        BackendError,
+        match=r"NEURON_LOGICAL_NC_CONFIG=1, but the bundle's NEFFs were compiled for logical cores of 2 \(--logical-nc-config 2\); unset it, or rebuild with --compiler-flag lnc=1",
+    ):
         rank_environment(trn2, 3, 4)

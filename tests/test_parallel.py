@@ -25,6 +25,7 @@ from aotc.format import ShardSpec, read_manifest
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
+
 from .conftest import LOGIT_ATOL, checkpoint_reads
 
 # Prompts of the generation tests: batch 1, and batch 3 with one over two chunks of 16.
@@ -188,7 +189,9 @@ def test_ranks_that_generated_other_tokens_are_an_error_on_every_rank_naming_the
 
 
 def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degrees(tiny_dir, tmp_path):
-    with pytest.raises(AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"):
+    with pytest.raises(
+        AotcError, match=r"--tensor-parallel 3: model\.layers\.\*\.self_attn\.q_proj\.weight has 256 rows \(4 heads of 64\).*valid degrees for this model: 1, 2, 4$"
+    ):
         build(tp_options(tiny_dir, tmp_path / "b", degree=3))
     v4 = write_tiny(tmp_path / "v4", arch="deepseek_v4")
     with pytest.raises(AotcError, match="deepseek_v4 models have no tensor-parallel plan"):
@@ -199,7 +202,10 @@ def test_degrees_that_do_not_split_are_refused_naming_the_weight_and_valid_degre
 def test_a_split_through_an_fp8_block_is_refused_at_build(tmp_path):
     fp8 = write_tiny(tmp_path / "fp8", layers=1, quantize="fp8")
     # k_proj has 2 KV heads of 64 rows: one 128-row block, which 2 ranks would cut in half.
-    with pytest.raises(AotcError, match=r"--tensor-parallel 2: model\.layers\.0\.self_attn\.k_proj\.weight .* fp8 .*128x128 block.* split a block along dim 0; valid degrees for this checkpoint: 1$"):
+    with pytest.raises(
+        AotcError,
+        match=r"--tensor-parallel 2: model\.layers\.0\.self_attn\.k_proj\.weight .* fp8 .*128x128 block.* split a block along dim 0; valid degrees for this checkpoint: 1$",
+    ):
         build(tp_options(fp8, tmp_path / "b"))
 
 
@@ -333,7 +339,15 @@ def _ranks(launcher: subprocess.Popen, world: int = 2) -> dict[int, int]:
 
 # xla and neuron under slow (issue 64): the launcher's handling is the backend's alike (the
 # export cells); xla's ranks run in CI in test_xla_ranks_run_per_rank_hlo_as_replicas_...
-@pytest.mark.parametrize("kind,when", [("export", "generating"), ("export", "before joining"), pytest.param("xla", "generating", marks=pytest.mark.slow), pytest.param("neuron", "generating", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind,when",
+    [
+        ("export", "generating"),
+        ("export", "before joining"),
+        pytest.param("xla", "generating", marks=pytest.mark.slow),
+        pytest.param("neuron", "generating", marks=pytest.mark.slow),
+    ],
+)
 def test_a_killed_rank_ends_the_run_naming_it_and_leaves_no_process(request, kind, when):
     """Killed while generating, rank 0's collective fails at once; killed before it joins the
     group, rank 0 would wait out the group's 60 s timeout: the launcher ends it first. On xla
@@ -571,7 +585,10 @@ def test_a_killed_rank_of_a_session_program_ends_the_launch_naming_it(tp_bundle,
 def test_a_parallel_bundle_outside_a_launch_says_how_to_start_its_ranks(tp_bundle):
     from aotc import Session
 
-    with pytest.raises(AotcError, match=r"runs on 2 ranks \(--tensor-parallel 2\): open it in each process of a launch, e\.g\. `torchrun --nproc-per-node 2 your_program\.py`, or run it with `aotc run "):
+    with pytest.raises(
+        AotcError,
+        match=r"runs on 2 ranks \(--tensor-parallel 2\): open it in each process of a launch, e\.g\. `torchrun --nproc-per-node 2 your_program\.py`, or run it with `aotc run ",
+    ):
         Session.open(tp_bundle.out)
 
 

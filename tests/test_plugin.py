@@ -38,7 +38,20 @@ def test_example_plugin_builds_and_runs(on_path):
     # The bundle records its plugin, but aotc imports a module only when the user names it.
     r = invoke("run", bundle, "--check", "--max-new-tokens", 8, "--prompt", "Hello")
     assert r.exit_code == 2 and "pass --plugin tinygpt.model" in " ".join(r.output.split()), r.output
-    r = invoke("run", bundle, "--plugin", "tinygpt.model", "--check", "--json", "--max-new-tokens", 8, "--prompt", "Hello", "--prompt", "the quick brown fox jumps over the lazy dog, twice over")
+    r = invoke(
+        "run",
+        bundle,
+        "--plugin",
+        "tinygpt.model",
+        "--check",
+        "--json",
+        "--max-new-tokens",
+        8,
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "the quick brown fox jumps over the lazy dog, twice over",
+    )
     assert r.exit_code == 0, r.output
     assert_check_report(json.loads(r.output), "export")
 
@@ -64,7 +77,7 @@ def test_plugin_that_registers_nothing(on_path):
     assert r.exit_code == 2 and "registered no architecture" in " ".join(r.output.split())
 
 
-BAD_ENTRY = '''
+BAD_ENTRY = """
 import torch
 import aotc
 from tinygpt.model import TinyGPTForCausalLM, Head
@@ -84,7 +97,7 @@ class BadGPT(TinyGPTForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.head = BadHead(config)
-'''
+"""
 
 
 def test_plugin_entry_with_non_tensor_input(on_path):

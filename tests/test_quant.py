@@ -156,7 +156,9 @@ def test_checkpoint_errors(models, tmp_path):
     tensors = load_file(bad / "model.safetensors")
     del tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"fp8 tensor 'model.layers.0.mlp.up_proj.weight' has no 'model.layers.0.mlp.up_proj.weight_scale_inv' or 'model.layers.0.mlp.up_proj.scale'"):
+    with pytest.raises(
+        WeightsError, match=r"fp8 tensor 'model.layers.0.mlp.up_proj.weight' has no 'model.layers.0.mlp.up_proj.weight_scale_inv' or 'model.layers.0.mlp.up_proj.scale'"
+    ):
         load_model(bad)
     tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 3)
     save_file(tensors, bad / "model.safetensors")

@@ -121,7 +121,11 @@ def test_bad_inputs_are_refused_naming_them_and_leave_nothing_behind(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     cases = [
         (dict(source=source, out=tmp_path / "o", fmt="int4"), ConfigError, "--format int4: expected one of fp8, fp4-experts"),
-        (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int8"), ConfigError, "--head int8 with --format fp8: the head is kept or takes the layers' format; pass --head keep or --head fp8"),
+        (
+            dict(source=source, out=tmp_path / "o", fmt="fp8", head="int8"),
+            ConfigError,
+            "--head int8 with --format fp8: the head is kept or takes the layers' format; pass --head keep or --head fp8",
+        ),
         (dict(source=source, out=tmp_path / "o", fmt="fp8", head="int4"), ConfigError, "--head int4: expected one of keep, fp8, int8"),
         (dict(source=source, out=source, fmt="fp8"), ConfigError, "inside the source folder"),
         (dict(source=source, out=source / "q", fmt="fp8"), ConfigError, "inside the source folder"),
@@ -271,7 +275,6 @@ def test_a_bad_config_a_nan_weight_a_full_disk_and_sigterm_leave_nothing_and_say
     a weight to quantize is refused naming the tensor and where (it would make its whole
     block's scale NaN); safetensors' own error on a full disk and a SIGTERM mid-write end
     the command with a message, and leave nothing beside the destination."""
-    import os
     import signal
     import subprocess
     import sys
@@ -295,7 +298,7 @@ def test_a_bad_config_a_nan_weight_a_full_disk_and_sigterm_leave_nothing_and_say
         quantize_model(nan, out / "q", "fp8")
 
     def full(*args, **kwargs):
-        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr("aotc.quantize.save_file", full)
     r = runner.invoke(app, ["quantize", str(source), "-o", str(out / "q")])

@@ -60,7 +60,9 @@ def test_a_bad_environment_value_exits_2_before_any_group_is_joined(tp_bundle): 
     t0 = time.monotonic()
     done = aotc("run", tp_bundle.out, "--prompt", "Hi", env=_rank_env(RANK="0", MASTER_PORT="abc"))
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines() == ["error: MASTER_PORT='abc': expected the port (1 to 65535) where rank 0 listens (torchrun sets them; unset RANK and WORLD_SIZE to let aotc run start the ranks itself)"]
+    assert done.stderr.strip().splitlines() == [
+        "error: MASTER_PORT='abc': expected the port (1 to 65535) where rank 0 listens (torchrun sets them; unset RANK and WORLD_SIZE to let aotc run start the ranks itself)"
+    ]
     assert time.monotonic() - t0 < 30
 
 

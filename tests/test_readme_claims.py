@@ -51,10 +51,10 @@ def test_build_prints_its_table_and_the_fallback_message(tiny_dir, tmp_path, mon
 
 
 def test_jobs_default_is_bounded_by_cores_memory_work_and_load(monkeypatch):
+    from aotc.backends.export import ExportBackend
     from aotc.backends.inductor import InductorBackend
     from aotc.backends.neuron import NeuronBackend
     from aotc.build.options import default_jobs
-    from aotc.backends.export import ExportBackend
 
     pages = {"SC_PAGE_SIZE": 1 << 12, "SC_AVPHYS_PAGES": (20 << 30) >> 12}  # 20 GB free
     monkeypatch.setattr("os.sysconf", lambda name: pages[name])

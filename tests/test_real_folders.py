@@ -128,7 +128,13 @@ def test_generation_config_sets_stop_tokens_and_length(tiny_dir, small_bundle, t
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [500, stop], "max_new_tokens": 20}))
     report = run_json(small_bundle, "--model", model, "--prompt", "Hello")
     assert report["prompts"][0]["new_ids"] == free[: free.index(stop) + 1]  # stopped at the listed eos
-    assert report["generation"] == {"eos_token_ids": [500, stop], "eos_from": "generation_config.json", "max_new_tokens": 20, "max_new_tokens_from": "generation_config.json", "chat": False}
+    assert report["generation"] == {
+        "eos_token_ids": [500, stop],
+        "eos_from": "generation_config.json",
+        "max_new_tokens": 20,
+        "max_new_tokens_from": "generation_config.json",
+        "chat": False,
+    }
     # A single id, and the flag over the file's length.
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 499}))
     report = run_json(small_bundle, "--model", model, "--prompt", "Hello", "--max-new-tokens", 5)
@@ -192,7 +198,9 @@ def test_single_prompt_streams_each_token_as_it_comes(tiny_dir, small_bundle):
     bundle = Bundle.load(small_bundle)
     bundle.bind(loaded.model)
     seen = []
-    gen = generate(loaded.model, [[5, 6, 7], [8, 9]], 6, max_batch=2, max_seq=128, slots=bundle.cache_slots, stop_at_eos=False, on_token=lambda i, s: seen.append((i, list(s.new_ids))))
+    gen = generate(
+        loaded.model, [[5, 6, 7], [8, 9]], 6, max_batch=2, max_seq=128, slots=bundle.cache_slots, stop_at_eos=False, on_token=lambda i, s: seen.append((i, list(s.new_ids)))
+    )
     assert seen[:2] == [(0, gen.sequences[0].new_ids[:1]), (1, gen.sequences[1].new_ids[:1])]  # both prefills' tokens first
     assert [n for i, n in seen if i == 0] == [gen.sequences[0].new_ids[:k] for k in range(1, 7)]  # one call per token, in order
     text = run_json(small_bundle, "--prompt", "Hello", "--max-new-tokens", 6)["prompts"][0]["text"]

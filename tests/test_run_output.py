@@ -95,7 +95,29 @@ def test_run_samples_with_a_seed_and_cuts_at_a_stop_string(tiny_bundle, tiny_dir
     assert all(r.exit_code == 0 for r in sampled), sampled[0].output
     greedy = run()
     assert ids(sampled[0]) == ids(sampled[1]) != ids(sampled[2]) and ids(sampled[0]) != ids(greedy)
-    eager_run = runner.invoke(app, ["run", str(tiny_dir), "--eager", "--prompt", "Hello", "--max-new-tokens", "10", "--json", "--temperature", "1.0", "--top-p", "0.95", "--top-k", "40", "--min-p", "0.01", "--seed", "5"])
+    eager_run = runner.invoke(
+        app,
+        [
+            "run",
+            str(tiny_dir),
+            "--eager",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "10",
+            "--json",
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "0.95",
+            "--top-k",
+            "40",
+            "--min-p",
+            "0.01",
+            "--seed",
+            "5",
+        ],
+    )
     assert ids(eager_run) == ids(sampled[0])  # the same stream of draws over the same logits
     text = json.loads(greedy.output)["prompts"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 4]

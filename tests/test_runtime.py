@@ -295,7 +295,9 @@ def test_host_allocations_per_decode_step_do_not_grow_with_layers(tmp_path):
     per_step, traced = {}, {}
     for layers in (2, 6):
         model_dir = write_tiny(tmp_path / f"tiny{layers}", layers=layers)
-        result = build(BuildOptions(model_dir, out=tmp_path / f"b{layers}", batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), backend="export", use_cache=False))
+        result = build(
+            BuildOptions(model_dir, out=tmp_path / f"b{layers}", batch_buckets=(1, 4), chunk_buckets=(16,), max_seq=64, context_buckets=(32,), backend="export", use_cache=False)
+        )
         traced[layers] = result.graphs_traced
         per_step[layers] = {batch: _host_allocations_per_step(model_dir, result.out, batch) for batch in (1, 3)}
     assert traced == {2: 8, 6: 8}

@@ -353,7 +353,7 @@ def _tagged(tag: str) -> dict[int, tuple[str, str]]:
 # A C++ compiler that takes 30 s per compile: the build is stopped while one runs, and a
 # compiler left behind is still running a second after the build exits, whatever this
 # machine's speed.
-SLOW_CXX = "#!/bin/sh\ncase \" $* \" in *\" -o \"*) sleep 30 ;; esac\nexec g++ \"$@\"\n"
+SLOW_CXX = '#!/bin/sh\ncase " $* " in *" -o "*) sleep 30 ;; esac\nexec g++ "$@"\n'
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")

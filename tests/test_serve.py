@@ -237,7 +237,9 @@ BAD_TOKENS = [
 
 
 def test_bad_bodies_get_4xx_in_openais_shape_and_the_server_stays_up(served):
-    asks = [("/v1/completions", body, status, param) for body, status, param in BAD] + [("/v1/chat/completions", body, status, param) for body, status, param in BAD_CHAT] + BAD_TOKENS
+    asks = (
+        [("/v1/completions", body, status, param) for body, status, param in BAD] + [("/v1/chat/completions", body, status, param) for body, status, param in BAD_CHAT] + BAD_TOKENS
+    )
     assert len(asks) >= 50
     for path, body, status, param in asks:
         if status == 200:

@@ -22,10 +22,7 @@ from aotc.runtime import Bundle, generate
 from aotc.runtime.dispatch import is_bound
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 
 
 def with_template(tiny_dir, out: Path) -> Path:
@@ -254,7 +251,10 @@ def test_check_is_aotc_run_check(session, monkeypatch):
 
 
 def test_errors_name_the_fix(session, tiny_bundle, tmp_path):
-    with pytest.raises(AotcError, match=r"prompt 1 has 300 tokens; with max_new_tokens=8 that is 308 positions, more than the bundle's max_seq 256\. Shorten the prompt, lower max_new_tokens, or build with a larger --max-seq"):
+    with pytest.raises(
+        AotcError,
+        match=r"prompt 1 has 300 tokens; with max_new_tokens=8 that is 308 positions, more than the bundle's max_seq 256\. Shorten the prompt, lower max_new_tokens, or build with a larger --max-seq",
+    ):
         session.generate([[5], [5] * 300], max_new_tokens=8)
     with pytest.raises(AotcError, match=r"prompt 0: token id 512 is outside the model's vocabulary \(0 to 511\)"):
         session.generate([[1, 512]])

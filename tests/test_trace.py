@@ -46,8 +46,13 @@ def test_weights_and_caches_are_graph_inputs(models):
     params = [n for n, _ in layer.named_parameters()]
     kinds = [(i.kind, i.path or i.name) for i in g.inputs]
     assert kinds == [("weight", p) for p in params] + [
-        ("activation", "x"), ("activation", "cos"), ("activation", "sin"), ("activation", "positions"),
-        ("activation", "slots"), ("cache", "k_cache"), ("cache", "v_cache"),
+        ("activation", "x"),
+        ("activation", "cos"),
+        ("activation", "sin"),
+        ("activation", "positions"),
+        ("activation", "slots"),
+        ("cache", "k_cache"),
+        ("cache", "v_cache"),
     ]
     sig = g.program.graph_signature
     assert all(s.kind.name == "USER_INPUT" for s in sig.input_specs)  # no lifted parameters or constants

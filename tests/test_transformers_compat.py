@@ -9,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import transformers
 from typer.testing import CliRunner
@@ -90,7 +90,9 @@ def test_a_newer_release_with_every_name_warns_naming_the_releases_tested():
 def test_a_release_that_lacks_a_private_name_is_refused_naming_it(monkeypatch):
     gone = hf_compat.Private("transformers.modeling_utils.PreTrainedModel", "_no_such_name", "why it is needed", "when it can go")
     monkeypatch.setattr(hf_compat, "PRIVATE", (*hf_compat.PRIVATE, gone))
-    with pytest.raises(ConfigError, match=r"transformers 5\.27\.0 lacks .*PreTrainedModel\._no_such_name \(needed for why it is needed\)\. aotc is tested with transformers 5\.24, 5\.25"):
+    with pytest.raises(
+        ConfigError, match=r"transformers 5\.27\.0 lacks .*PreTrainedModel\._no_such_name \(needed for why it is needed\)\. aotc is tested with transformers 5\.24, 5\.25"
+    ):
         hf_compat.check("5.27.0")
 
 
@@ -125,7 +127,10 @@ def test_conformance_on_the_other_tested_release(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_transformers_path.py", "tests/test_transformers_compat.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     print(f"transformers {got.strip()}: {run.stdout.strip().splitlines()[-1]}")

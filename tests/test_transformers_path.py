@@ -48,8 +48,16 @@ CHUNK = 16
 # name: (config class, model class, fields). Each exercises what its family adds.
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # q/k norms, sliding and full layers
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16)),  # softcaps, embedding scale
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(COMMON, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),  # local rope per layer type
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(COMMON, sliding_window=WINDOW, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+    ),  # softcaps, embedding scale
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(COMMON, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),  # local rope per layer type
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, sliding_window=WINDOW, partial_rotary_factor=0.5, pad_token_id=0)),  # fused qkv, partial rotary
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(COMMON)),  # norms after attention and MLP
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(COMMON, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
@@ -61,10 +69,24 @@ ARCHS = {
     # sparse ones (a variant); decode at batch 1 gathers its 2 x 2 choices of 8 experts, at 4
     # runs each expert on its tokens, as prefill does.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=WINDOW)),  # renamed block_sparse_moe
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=WINDOW),
+    ),  # renamed block_sparse_moe
     # attention sinks (s_aux), transposed experts with biases and a gate of its own (_apply_gate)
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW,
-                                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            COMMON,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
 LAYERS = {"gpt2": "n_layer"}
 # The compiled matrix runs under `slow` (issue 64): qwen3_moe on xla (15 s in CI's run)
@@ -218,7 +240,9 @@ def test_a_layer_that_needs_more_of_the_cache_than_update_is_refused(tmp_path, m
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(qwen3.Qwen3Attention, "forward", forward)
-    with pytest.raises(ConfigError, match=r"Qwen3ForCausalLM: layer 0 \(Qwen3DecoderLayer\) asks transformers' cache for 'get_seq_length'; aotc's stand-in cache has update\(\) only"):
+    with pytest.raises(
+        ConfigError, match=r"Qwen3ForCausalLM: layer 0 \(Qwen3DecoderLayer\) asks transformers' cache for 'get_seq_length'; aotc's stand-in cache has update\(\) only"
+    ):
         load_model(model_dir)
 
 
@@ -353,7 +377,10 @@ def test_per_expert_tensors_are_merged_and_a_missing_one_is_named(tmp_path):
     torch.testing.assert_close(gate_up[5, 48:], tensors["model.layers.0.block_sparse_moe.experts.5.w3.weight"], rtol=0, atol=0)
     del tensors["model.layers.1.block_sparse_moe.experts.7.w3.weight"]
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(AotcError, match=r"model.layers.1.mlp.experts.gate_up_proj is merged from 8 tensors like 'model.layers.1.block_sparse_moe.experts.0.w1.weight' and 7 like 'model.layers.1.block_sparse_moe.experts.0.w3.weight'; the checkpoint lacks some of them"):
+    with pytest.raises(
+        AotcError,
+        match=r"model.layers.1.mlp.experts.gate_up_proj is merged from 8 tensors like 'model.layers.1.block_sparse_moe.experts.0.w1.weight' and 7 like 'model.layers.1.block_sparse_moe.experts.0.w3.weight'; the checkpoint lacks some of them",
+    ):
         load_model(model_dir, weights=False)
 
 
@@ -386,9 +413,13 @@ def test_unknown_and_refused_models_name_the_field(tmp_path):
     # GPT-Neo computes attention with its own code and a causal mask buffer sized to the
     # keys it is given: refused by name, not run with a mask that the cache's length breaks.
     torch.manual_seed(0)
-    neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], max_position_embeddings=128))
+    neo = transformers.GPTNeoForCausalLM(
+        transformers.GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], max_position_embeddings=128)
+    )
     neo.save_pretrained(tmp_path / "neo")
-    with pytest.raises(ConfigError, match=r"transformers' GPTNeoForCausalLM cannot be built with aotc's attention function \(KeyError: 'aotc'\); .* through transformers' AttentionInterface"):
+    with pytest.raises(
+        ConfigError, match=r"transformers' GPTNeoForCausalLM cannot be built with aotc's attention function \(KeyError: 'aotc'\); .* through transformers' AttentionInterface"
+    ):
         load_model(tmp_path / "neo")
 
 
@@ -421,7 +452,9 @@ def test_what_the_generic_path_cannot_take_is_refused_before_any_compile(model_t
     auto = transformers.AutoModel if model_type == "t5" else transformers.AutoModelForCausalLM
     auto.from_config(config).save_pretrained(tmp_path / "model")
     out = tmp_path / "bundle"
-    r = CliRunner().invoke(app, ["build", str(tmp_path / "model"), "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--no-cache", "-o", str(out)], env={"COLUMNS": "400"})
+    r = CliRunner().invoke(
+        app, ["build", str(tmp_path / "model"), "--backend", "export", "--buckets", "1", "--prefill-chunk", "16", "--no-cache", "-o", str(out)], env={"COLUMNS": "400"}
+    )
     assert r.exit_code == 2, r.output
     assert re.search(message, " ".join(r.output.split())), r.output
     assert not out.exists() or not any(out.iterdir())
@@ -480,11 +513,29 @@ def test_aotc_build_and_run_check_a_transformers_model(tmp_path):
     make_tokenizer().save(str(model_dir / "tokenizer.json"))
     out = tmp_path / "bundle"
     runner = CliRunner()
-    r = runner.invoke(app, ["build", str(model_dir), "--backend", "export", "--buckets", "1,4", "--prefill-chunk", "16", "--max-seq", "128", "--no-cache", "-o", str(out)], env={"COLUMNS": "200"})
+    r = runner.invoke(
+        app, ["build", str(model_dir), "--backend", "export", "--buckets", "1,4", "--prefill-chunk", "16", "--max-seq", "128", "--no-cache", "-o", str(out)], env={"COLUMNS": "200"}
+    )
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "GraniteDecoderLayer.decode" in said and "LMHead.project" in said
-    r = runner.invoke(app, ["run", str(out), "--check", "--json", "--max-new-tokens", "8", "--max-batch", "3", "--prompt", "Hello", "--prompt", "one two three four five six seven eight nine ten eleven twelve thirteen"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            str(out),
+            "--check",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--max-batch",
+            "3",
+            "--prompt",
+            "Hello",
+            "--prompt",
+            "one two three four five six seven eight nine ten eleven twelve thirteen",
+        ],
+    )
     assert r.exit_code == 0, r.output
     check = json.loads(r.output)["check"]
     assert check["passed"] and check["tokens_equal"], check["per_prompt"]

@@ -12,17 +12,15 @@ import torch
 from typer.testing import CliRunner
 
 import aotc
-
 from aotc.backends.neuron import lint
 from aotc.build import BuildOptions, build
 from aotc.cli import app
-from aotc.models.tiny import write_tiny
 from aotc.errors import BundleError
+from aotc.format import artifact_dir
 from aotc.models.base import load_model
+from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.verify import verify
-
-from aotc.format import artifact_dir
 
 from .conftest import assert_verify_catches_differences, perturbing, rehash, wrap_programs
 
@@ -190,7 +188,7 @@ def test_hlo_pb_takes_every_graph_input_even_unread_ones():
     shapes = Shapes(slots=3, max_seq=8)
     graph = trace(find_variants(torch.nn.ModuleList([_IgnoresAnInput()]), shapes)[0], 2, shapes)
     module = xla_client.XlaComputation(lower(graph.program, Specs(graph.inputs, graph.outputs)).hlo_proto).get_hlo_module().to_string()
-    entry = module[module.index("ENTRY"):]
+    entry = module[module.index("ENTRY") :]
     assert entry.count(" parameter(") == 2
 
 

@@ -233,7 +233,9 @@ def test_crossed_weights_are_refused_at_load(xla_bundle, tmp_path):
     bundle = tmp_path / "crossed"
     shutil.copytree(result.out, bundle)
     cross_weights(bundle / "manifest.json")
-    with pytest.raises(BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"):
+    with pytest.raises(
+        BundleError, match=r"entries/LlamaDecoderLayer\.\w+/b\d+\S*: the artifact takes weight \d+ as 'mlp.gate_proj.weight', the entry lists 'mlp.up_proj.weight' there"
+    ):
         Bundle.load(bundle)
 
 
@@ -241,7 +243,25 @@ def test_run_check_is_token_exact(xla_bundle):
     _, result = xla_bundle
     runner = CliRunner()
     for max_batch in ("1", "2"):
-        r = runner.invoke(app, ["run", str(result.out), "--check", "--json", "--max-new-tokens", "6", "--max-batch", max_batch, "--prompt", "Hello", "--prompt", "What is the capital of France?", "--prompt", "one, two, three, four"])
+        r = runner.invoke(
+            app,
+            [
+                "run",
+                str(result.out),
+                "--check",
+                "--json",
+                "--max-new-tokens",
+                "6",
+                "--max-batch",
+                max_batch,
+                "--prompt",
+                "Hello",
+                "--prompt",
+                "What is the capital of France?",
+                "--prompt",
+                "one, two, three, four",
+            ],
+        )
         assert r.exit_code == 0, r.output
         report = json.loads(r.output)
         assert report["backend"] == "xla"

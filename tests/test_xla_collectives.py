@@ -67,7 +67,15 @@ with tracing(record(2)):
 print(json.dumps(found))
 """
 
-OPCODE = {"sum": "all-reduce", "avg": "all-reduce", "max": "all-reduce", "min": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all"}
+OPCODE = {
+    "sum": "all-reduce",
+    "avg": "all-reduce",
+    "max": "all-reduce",
+    "min": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+}
 
 
 def expected(name: str, xs: list) -> list:

@@ -144,10 +144,7 @@ def run_target(target: str, tree: Path, sample: int | None, seed: int, timeout: 
     tests = " ".join(TARGETS[target])
     command = f"{sys.executable} -m pytest -x -q -n 0 -p no:randomly -p no:cacheprovider {tests}"
     config, db = tree / "cosmic-ray.toml", tree / "session.sqlite"
-    config.write_text(
-        f'[cosmic-ray]\nmodule-path = "{target}"\ntimeout = {timeout}\nexcluded-modules = []\n'
-        f'test-command = "{command}"\n[cosmic-ray.distributor]\nname = "local"\n'
-    )
+    config.write_text(f'[cosmic-ray]\nmodule-path = "{target}"\ntimeout = {timeout}\nexcluded-modules = []\ntest-command = "{command}"\n[cosmic-ray.distributor]\nname = "local"\n')
     db.unlink(missing_ok=True)
     where = subprocess.run([sys.executable, "-c", "import aotc; print(aotc.__file__)"], cwd=tree, env=env, capture_output=True, text=True).stdout
     if not Path(where.strip()).is_relative_to(tree):  # the mutants would never be imported

@@ -43,7 +43,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = ("refused", "handled")
-SLOW_CXX = "#!/bin/sh\ncase \" $* \" in *\" -o \"*) sleep 30 ;; esac\nexec g++ \"$@\"\n"
+SLOW_CXX = '#!/bin/sh\ncase " $* " in *" -o "*) sleep 30 ;; esac\nexec g++ "$@"\n'
 BUILD = ["--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64"]
 
 
@@ -527,51 +527,109 @@ ROUND_TWO = [
     Case("resources", "build --cache-dir on a full disk", _cache_full),
     Case("resources", "build -o under a read-only file system", on_small_disk(lambda p, ws, d: ["build", p.model(), *BUILT, "-o", d / "b"], "Read-only file system", "ro")),
     Case("resources", "init tiny under a read-only file system", on_small_disk(lambda p, ws, d: ["init", "tiny", d / "m"], "Read-only file system", "ro")),
-    Case("resources", "run --threads 100000", lambda p, ws: judge(p.aotc("run", p.bundle(), "--threads", "100000", "--prompt", "hi", "--max-new-tokens", "2"), "--threads 100000: expected 1 to")),
+    Case(
+        "resources",
+        "run --threads 100000",
+        lambda p, ws: judge(p.aotc("run", p.bundle(), "--threads", "100000", "--prompt", "hi", "--max-new-tokens", "2"), "--threads 100000: expected 1 to"),
+    ),
     bad_input("resources", "num_hidden_layers 10**7", build_of(lambda m: _config(m, num_hidden_layers=10**7)), "the checkpoint has tensors for layers 0 to 1 only"),
     bad_input("eager path", "a 20,000-word prompt", lambda m, ws: ["run", m, "--eager", "--prompt", "word " * 20000, "--max-new-tokens", "2"], "max_position_embeddings"),
     bad_input("eager path", "--max-new-tokens 10**12", lambda m, ws: ["run", m, "--eager", "--prompt", "hi", "--max-new-tokens", str(10**12)], "max_position_embeddings"),
-    *[bad_input("templates", f"chat template {k}", chat_of(t), w) for k, t, w in (
-        ("range(10**9)", "{% for i in range(10**9) %}{% endfor %}", "Range too big"),
-        ("recursive macro", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
-        ("include", "{% include 'x.jinja' %}", "includes, imports or extends"),
-        ("import", "{% import 'x.jinja' as x %}", "includes, imports or extends"),
-        ("extends", "{% extends 'x.jinja' %}", "includes, imports or extends"),
-        ("1/0", "{{ 1/0 }}", "ZeroDivisionError"),
-        ("'a'+1", "{{ 'a' + 1 }}", "TypeError"),
-        ("'x'*4e9", "{{ 'x' * 4e9 }}", "TypeError"),
-        ("'x'*4000000000", "{{ 'x' * 4000000000 }}", "a repetition of"),
-        ("double loop 10**5 x 10**5", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "it took more than"),
-        ("a named template with a list name", [{"name": ["default"], "template": "x"}], "no chat_template"),
-        ("__class__.__mro__", "{{ ''.__class__.__mro__ }}", "unsafe"),
-        ("__subclasses__", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
-        ("cycler.__init__.__globals__", "{{ cycler.__init__.__globals__ }}", "unsafe"),
-        ("joiner.__init__.__globals__", "{{ joiner.__init__.__globals__ }}", "unsafe"),
-        ("namespace.__init__.__globals__", "{{ namespace.__init__.__globals__ }}", "unsafe"),
-        ("lipsum.__globals__", "{{ lipsum.__globals__ }}", "unsafe"),
-        ("self._TemplateReference__context", "{{ self._TemplateReference__context }}", "unsafe"),
-        ("|attr('__class__')", "{{ ''|attr('__class__') }}", "unsafe"),
-        ("'{0.__class__}'.format", "{{ '{0.__class__}'.format(1) }}", "unsafe"),
-    )],
+    *[
+        bad_input("templates", f"chat template {k}", chat_of(t), w)
+        for k, t, w in (
+            ("range(10**9)", "{% for i in range(10**9) %}{% endfor %}", "Range too big"),
+            ("recursive macro", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+            ("include", "{% include 'x.jinja' %}", "includes, imports or extends"),
+            ("import", "{% import 'x.jinja' as x %}", "includes, imports or extends"),
+            ("extends", "{% extends 'x.jinja' %}", "includes, imports or extends"),
+            ("1/0", "{{ 1/0 }}", "ZeroDivisionError"),
+            ("'a'+1", "{{ 'a' + 1 }}", "TypeError"),
+            ("'x'*4e9", "{{ 'x' * 4e9 }}", "TypeError"),
+            ("'x'*4000000000", "{{ 'x' * 4000000000 }}", "a repetition of"),
+            ("double loop 10**5 x 10**5", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "it took more than"),
+            ("a named template with a list name", [{"name": ["default"], "template": "x"}], "no chat_template"),
+            ("__class__.__mro__", "{{ ''.__class__.__mro__ }}", "unsafe"),
+            ("__subclasses__", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+            ("cycler.__init__.__globals__", "{{ cycler.__init__.__globals__ }}", "unsafe"),
+            ("joiner.__init__.__globals__", "{{ joiner.__init__.__globals__ }}", "unsafe"),
+            ("namespace.__init__.__globals__", "{{ namespace.__init__.__globals__ }}", "unsafe"),
+            ("lipsum.__globals__", "{{ lipsum.__globals__ }}", "unsafe"),
+            ("self._TemplateReference__context", "{{ self._TemplateReference__context }}", "unsafe"),
+            ("|attr('__class__')", "{{ ''|attr('__class__') }}", "unsafe"),
+            ("'{0.__class__}'.format", "{{ '{0.__class__}'.format(1) }}", "unsafe"),
+        )
+    ],
     # The .jinja file is read where tokenizer_config.json has no chat_template (init tiny writes one there).
-    bad_input("templates", "chat_template.jinja not UTF-8", lambda m, ws: ["run", _template(m, None), "--eager", "--chat", "--prompt", "hi"] if (m / "chat_template.jinja").write_bytes(b"\xff\xfe") else [], "not UTF-8"),
-    bad_input("templates", "chat_template.jinja linked outside", lambda m, ws: ["run", m, "--eager", "--chat", "--prompt", "hi"] if (ws / "t.jinja").write_text("{{ 1 }}") and (m / "chat_template.jinja").symlink_to(ws / "t.jinja") is None else [], "outside the model folder"),
-    *[bad_input("model folders", f"weight_map value {v!r}", build_of(lambda m, v=v: _index(m, v)), "expected the name of a shard file") for v in ("../../x.safetensors", "/etc/passwd", 5, ["a"])],
-    bad_input("model folders", "a tensor in two shards", build_of(lambda m: (shutil.copy(m / "model.safetensors", m / "a.safetensors"), shutil.move(str(m / "model.safetensors"), m / "b.safetensors"),
-              (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}})), m)[-1]), "a checkpoint holds each tensor once"),
+    bad_input(
+        "templates",
+        "chat_template.jinja not UTF-8",
+        lambda m, ws: ["run", _template(m, None), "--eager", "--chat", "--prompt", "hi"] if (m / "chat_template.jinja").write_bytes(b"\xff\xfe") else [],
+        "not UTF-8",
+    ),
+    bad_input(
+        "templates",
+        "chat_template.jinja linked outside",
+        lambda m, ws: (
+            ["run", m, "--eager", "--chat", "--prompt", "hi"] if (ws / "t.jinja").write_text("{{ 1 }}") and (m / "chat_template.jinja").symlink_to(ws / "t.jinja") is None else []
+        ),
+        "outside the model folder",
+    ),
+    *[
+        bad_input("model folders", f"weight_map value {v!r}", build_of(lambda m, v=v: _index(m, v)), "expected the name of a shard file")
+        for v in ("../../x.safetensors", "/etc/passwd", 5, ["a"])
+    ],
+    bad_input(
+        "model folders",
+        "a tensor in two shards",
+        build_of(
+            lambda m: (
+                shutil.copy(m / "model.safetensors", m / "a.safetensors"),
+                shutil.move(str(m / "model.safetensors"), m / "b.safetensors"),
+                (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}})),
+                m,
+            )[-1]
+        ),
+        "a checkpoint holds each tensor once",
+    ),
     bad_input("model folders", "a FIFO named model.safetensors", build_of(_fifo), "not a regular file"),
     bad_input("model folders", "config.json linked outside", lambda m, ws: ["build", _linked(m, ws, "config.json"), *BUILT, "-o", ws / "out"], "outside the model folder"),
-    *[bad_input("model folders", f"{k} {v!r}", build_of(lambda m, k=k, v=v: _config(m, **{k: v})), w) for k, v, w in (
-        ("rope_theta", "x", "'rope_theta' must be a number"), ("rope_theta", 0, "'rope_theta' must be a finite number above 0"),
-        ("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a finite number above 0"), ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a finite number above 0"),
-        ("rope_scaling", {"rope_type": "linear", "factor": 0}, "'factor' must be a finite number above 0"),
-        ("quantization_config", {"weight_block_size": [64, 64]}, "quantization_config.weight_block_size is [64, 64]"),
-    )],
-    bad_input("model folders", "llama3 low_freq_factor == high_freq_factor", build_of(lambda m: _config(m, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0, "original_max_position_embeddings": 64})), "high_freq_factor above low_freq_factor"),
+    *[
+        bad_input("model folders", f"{k} {v!r}", build_of(lambda m, k=k, v=v: _config(m, **{k: v})), w)
+        for k, v, w in (
+            ("rope_theta", "x", "'rope_theta' must be a number"),
+            ("rope_theta", 0, "'rope_theta' must be a finite number above 0"),
+            ("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a finite number above 0"),
+            ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a finite number above 0"),
+            ("rope_scaling", {"rope_type": "linear", "factor": 0}, "'factor' must be a finite number above 0"),
+            ("quantization_config", {"weight_block_size": [64, 64]}, "quantization_config.weight_block_size is [64, 64]"),
+        )
+    ],
+    bad_input(
+        "model folders",
+        "llama3 low_freq_factor == high_freq_factor",
+        build_of(
+            lambda m: _config(m, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0, "original_max_position_embeddings": 64})
+        ),
+        "high_freq_factor above low_freq_factor",
+    ),
     bad_input("model folders", "sliding_window 0", build_of(lambda m: _config(m, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=0)), "sliding_window"),
-    bad_input("model folders", "a 5,000-digit integer", build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": ' + "9" * 5000)) and m), "not valid JSON"),
-    bad_input("model folders", "config.json nested 100,000 deep", build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text()[:-2] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}") and m), "not valid JSON"),
-    *[bad_input("hub ids", f"build {name}", lambda m, ws, name=name: ["build", name, *BUILT], "not a Hugging Face Hub id") for name in ("org/..", "org/tïny", "org/-tiny", "org/tiny.git", "org/" + "x" * 300)],
+    bad_input(
+        "model folders",
+        "a 5,000-digit integer",
+        build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": ' + "9" * 5000)) and m),
+        "not valid JSON",
+    ),
+    bad_input(
+        "model folders",
+        "config.json nested 100,000 deep",
+        build_of(lambda m: (m / "config.json").write_text((m / "config.json").read_text()[:-2] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}") and m),
+        "not valid JSON",
+    ),
+    *[
+        bad_input("hub ids", f"build {name}", lambda m, ws, name=name: ["build", name, *BUILT], "not a Hugging Face Hub id")
+        for name in ("org/..", "org/tïny", "org/-tiny", "org/tiny.git", "org/" + "x" * 300)
+    ],
     bad_input("hub ids", "--revision ''", lambda m, ws: ["build", "org/tiny", "--revision", "", *BUILT], "--revision"),
 ]
 
@@ -590,7 +648,10 @@ def launched(env: dict, words: str, ranks: int = 1, args: tuple = ("--prompt", "
         base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "AOTC_RANK_TIMEOUT": "2"}
         command = [sys.executable, "-c", "from aotc.cli import app; app()", "run", str(b), *args]
         full = {**p.env, **base, **env}
-        procs = [subprocess.Popen(command, env={k: v for k, v in full.items() if v is not None}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(ranks)]
+        procs = [
+            subprocess.Popen(command, env={k: v for k, v in full.items() if v is not None}, cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(ranks)
+        ]
         outcomes = []
         for proc in procs:
             try:
@@ -638,11 +699,18 @@ def launcher_sigterm(p: Probe, ws: Path) -> str:
 
 
 RANKS = [
-    *[Case("ranks", f"{k}={v!r}", launched({"RANK": "0", k: v}, words)) for k, v, words in (
-        ("MASTER_ADDR", None, "MASTER_ADDR is not set"), ("MASTER_PORT", "abc", "MASTER_PORT='abc'"), ("MASTER_PORT", "0", "MASTER_PORT='0'"),
-        ("LOCAL_WORLD_SIZE", "0", "LOCAL_WORLD_SIZE='0'"), ("LOCAL_WORLD_SIZE", "abc", "LOCAL_WORLD_SIZE='abc'"), ("LOCAL_RANK", "5", "LOCAL_RANK='5'"),
-        ("AOTC_RANK_TIMEOUT", "abc", "AOTC_RANK_TIMEOUT='abc'"),
-    )],
+    *[
+        Case("ranks", f"{k}={v!r}", launched({"RANK": "0", k: v}, words))
+        for k, v, words in (
+            ("MASTER_ADDR", None, "MASTER_ADDR is not set"),
+            ("MASTER_PORT", "abc", "MASTER_PORT='abc'"),
+            ("MASTER_PORT", "0", "MASTER_PORT='0'"),
+            ("LOCAL_WORLD_SIZE", "0", "LOCAL_WORLD_SIZE='0'"),
+            ("LOCAL_WORLD_SIZE", "abc", "LOCAL_WORLD_SIZE='abc'"),
+            ("LOCAL_RANK", "5", "LOCAL_RANK='5'"),
+            ("AOTC_RANK_TIMEOUT", "abc", "AOTC_RANK_TIMEOUT='abc'"),
+        )
+    ],
     Case("ranks", "a lone RANK=1", launched({"RANK": "1"}, "could not meet the other ranks")),
     Case("ranks", "two RANK=0", launched({"RANK": "0"}, "could not meet the other ranks", ranks=2)),
     Case("ranks", "an unreachable MASTER_ADDR", launched({"RANK": "1", "MASTER_ADDR": "192.0.2.1"}, "could not meet the other ranks")),
@@ -718,8 +786,15 @@ ROUND_THREE = [
     Case("bundle copy", "a killed run of an inductor bundle", killed_run("inductor")),
     Case("bundle copy", "a full temp folder", _full_temp),
     Case("quantize", "what a killed quantize left", killed_quantize),
-    *[Case("strict", f"cache prune --max-size {v[:12]!r}", lambda p, ws, v=v: judge(p.aotc("cache", "prune", "--max-size", v, "--cache-dir", ws / "c"), "--max-size")) for v in ("5Ki", "5 G", "9" * 400)],
-    Case("strict", "--prefill-chunk 128 --max-seq 64", lambda p, ws: judge(p.aotc("build", p.model(), *BUILT, "--prefill-chunk", "128", "-o", ws / "b"), "128 is more than --max-seq 64")),
+    *[
+        Case("strict", f"cache prune --max-size {v[:12]!r}", lambda p, ws, v=v: judge(p.aotc("cache", "prune", "--max-size", v, "--cache-dir", ws / "c"), "--max-size"))
+        for v in ("5Ki", "5 G", "9" * 400)
+    ],
+    Case(
+        "strict",
+        "--prefill-chunk 128 --max-seq 64",
+        lambda p, ws: judge(p.aotc("build", p.model(), *BUILT, "--prefill-chunk", "128", "-o", ws / "b"), "128 is more than --max-seq 64"),
+    ),
     bad_input("strict", "--max-seq beyond max_position_embeddings", build_of(lambda m: _config(m, max_position_embeddings=32)), "max_position_embeddings is 32"),
     Case("strict", "--jobs 1000000", lambda p, ws: judge(p.aotc("build", p.model(), *BUILT, "--jobs", "1000000", "-o", ws / "b"), "--jobs 1000000")),
     Case("strict", "init tiny --layers 1000000", lambda p, ws: judge(p.aotc("init", "tiny", ws / "m", "--layers", "1000000", timeout=60), "--layers")),

@@ -179,10 +179,7 @@ class Step:
 def one_device(backend: str, rank: int, world_size: int) -> None:
     """bind's check where a backend's bundles run on one device."""
     if world_size != 1 or rank != 0:
-        raise BackendError(
-            f"bind(rank={rank}, world_size={world_size}): {backend} bundles are built for one device; "
-            "bind with rank 0 and world_size 1"
-        )
+        raise BackendError(f"bind(rank={rank}, world_size={world_size}): {backend} bundles are built for one device; bind with rank 0 and world_size 1")
 
 
 def joined_ranks(backend: str, rank: int, world_size: int) -> None:

@@ -37,7 +37,8 @@ MEMBERS = {
 }  # fmt: skip
 EMPTY_CONFIG = {"config": {}}
 TARGET = re.compile(
-    r"torch\.ops\.(aten|prims)\.\w+\.\w+|torch\.ops\._c10d_functional\.(all_reduce|all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default|_operator\.(getitem|ge|gt|le|lt|eq|ne|add|sub|mul|floordiv|mod|neg|truediv)")
+    r"torch\.ops\.(aten|prims)\.\w+\.\w+|torch\.ops\._c10d_functional\.(all_reduce|all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default|_operator\.(getitem|ge|gt|le|lt|eq|ne|add|sub|mul|floordiv|mod|neg|truediv)"
+)
 ARG_KINDS = {
     "as_none", "as_tensor", "as_tensors", "as_int", "as_ints", "as_float", "as_floats", "as_string", "as_strings",
     "as_bool", "as_bools", "as_sym_int", "as_sym_ints", "as_sym_bool", "as_sym_bools", "as_sym_float", "as_sym_floats",

@@ -288,14 +288,15 @@ class InductorBackend(Backend):
                 # Every metadata file must say the same: whichever the loader reads.
                 recorded = {json.loads(z.read(n)).get(WEIGHTS_KEY) for n in z.namelist() if n.endswith("_metadata.json")}
             if len(recorded) > 1:
-                raise BundleError(f"{art_dir / PACKAGE}: its metadata files record different weights ({sorted(map(str, recorded))}); the package was altered. Rebuild the bundle (aotc build)")
+                raise BundleError(
+                    f"{art_dir / PACKAGE}: its metadata files record different weights ({sorted(map(str, recorded))}); the package was altered. Rebuild the bundle (aotc build)"
+                )
             paths = json.loads(recorded.pop() or "null") if recorded else None
         except (zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
             raise BundleError(f"{art_dir / PACKAGE}: not a package aotc wrote ({type(e).__name__}: {e}); rebuild the bundle (aotc build)") from None
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise BundleError(
-                f"{art_dir / PACKAGE}: its {WEIGHTS_KEY} metadata (which tensor each weight input is) is {paths!r}, "
-                "not a list of weight paths; rebuild the bundle (aotc build)"
+                f"{art_dir / PACKAGE}: its {WEIGHTS_KEY} metadata (which tensor each weight input is) is {paths!r}, not a list of weight paths; rebuild the bundle (aotc build)"
             )
         return paths
 

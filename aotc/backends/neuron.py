@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import re
 import shlex
-import os
 import shutil
 import signal
 import subprocess
@@ -101,11 +101,23 @@ def compiler_command(options: NeuronOptions, hlo: str, neff: str, fp8: bool) -> 
 # HLO opcodes as neuronx-cc's `list-operators --framework XLA` names them (its table uses
 # the XLA builder's names), where they differ beyond case and punctuation.
 _OPERATOR_NAMES = {
-    "convert": ("convertelementtype",), "dot": ("dot", "dotgeneral"), "broadcast": ("broadcast", "broadcastindim"),
-    "compare": ("compare", "eq", "ne", "lt", "le", "gt", "ge"), "constant": ("constant", "constantliteral"),
-    "maximum": ("max",), "minimum": ("min",), "multiply": ("mul",), "subtract": ("sub",), "divide": ("div",),
-    "power": ("pow",), "negate": ("neg",), "and": ("logicaland", "and"), "not": ("logicalnot", "not"),
-    "exponential": ("exp",), "log": ("log",), "shift-right-logical": ("shiftrightlogical",),
+    "convert": ("convertelementtype",),
+    "dot": ("dot", "dotgeneral"),
+    "broadcast": ("broadcast", "broadcastindim"),
+    "compare": ("compare", "eq", "ne", "lt", "le", "gt", "ge"),
+    "constant": ("constant", "constantliteral"),
+    "maximum": ("max",),
+    "minimum": ("min",),
+    "multiply": ("mul",),
+    "subtract": ("sub",),
+    "divide": ("div",),
+    "power": ("pow",),
+    "negate": ("neg",),
+    "and": ("logicaland", "and"),
+    "not": ("logicalnot", "not"),
+    "exponential": ("exp",),
+    "log": ("log",),
+    "shift-right-logical": ("shiftrightlogical",),
 }
 _ALWAYS = {"parameter", "tuple", "get-tuple-element", "call"}  # structure, not computation
 
@@ -574,10 +586,7 @@ class NeuronBackend(Backend):
 
     def can_load(self) -> str | None:
         if importlib.util.find_spec("nrtpy") is None:
-            return (
-                "running NEFFs needs the Neuron runtime's Python API (nrtpy, from the Neuron SDK, with "
-                "torch-neuronx) on a Trainium or Inferentia host; it is not installed here"
-            )
+            return "running NEFFs needs the Neuron runtime's Python API (nrtpy, from the Neuron SDK, with torch-neuronx) on a Trainium or Inferentia host; it is not installed here"
         return None
 
     def flags(self) -> dict:

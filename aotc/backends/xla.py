@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import re
 import warnings
 from dataclasses import dataclass

@@ -20,7 +20,8 @@ from .. import parallel
 from ..backends import Backend, Progress
 from ..backends.base import get_backend_class
 from ..cache import LocalCache
-from ..cache.keys import build_key as _build_key, recipe_key
+from ..cache.keys import build_key as _build_key
+from ..cache.keys import recipe_key
 from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, recipe_file, save_recipe
 from ..errors import AotcError, BundleError

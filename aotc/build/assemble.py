@@ -9,28 +9,23 @@ import torch
 
 from .. import __version__
 from ..format import FORMAT_VERSION, BackendRecord, CacheRegion, CacheSpec, EntryRecord, GenerationRecord, Manifest, ModelRecord, ShapesRecord
-from ..passes import pipeline_identity
 from ..layout import graph_weights
+from ..models.generation import generation_defaults
+from ..passes import pipeline_identity
 from ..trace import Variant, dtype_name
 from .obtain import BuiltArtifact
-from ..models.generation import generation_defaults
 from .plan import Plan
 
 
 def model_record(options, loaded) -> ModelRecord:
     g = generation_defaults(options.model_dir, loaded.config_dict)
     generation = GenerationRecord(list(g.eos_token_ids), g.eos_from, g.max_new_tokens, g.max_new_tokens_from)
-    return ModelRecord(
-        loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict, generation, options.hub, loaded.config.kv_cache
-    )
+    return ModelRecord(loaded.arch.name, type(loaded.model).__name__, str(options.model_dir.resolve()), loaded.config_dict, generation, options.hub, loaded.config.kv_cache)
 
 
 def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], BuiltArtifact]) -> Manifest:
     options, backend, loaded, shapes = plan.options, plan.backend, plan.loaded, plan.shapes
-    entries = [
-        _entry(vs[0], [built[v.entry_id, b, v.context].record for v in vs for b in options.buckets(v.spec.bucket)], backend.fp8_reading())
-        for vs in plan.entries()
-    ]
+    entries = [_entry(vs[0], [built[v.entry_id, b, v.context].record for v in vs for b in options.buckets(v.spec.bucket)], backend.fp8_reading()) for vs in plan.entries()]
     return Manifest(
         format_version=FORMAT_VERSION,
         aotc_version=__version__,

@@ -45,7 +45,7 @@ def key_graphs(plan: Plan, tasks: list[tuple[Variant, int]]) -> list[KeyedGraph]
 
 
 def graph_form(graph: TracedGraph) -> Form:
-    """"unbacked" when some size in the graph depends on data (nonzero, .item()), else "static"."""
+    """ "unbacked" when some size in the graph depends on data (nonzero, .item()), else "static"."""
     return "unbacked" if any(unbacked_in(n) for n in graph.graph_module.graph.nodes) else "static"
 
 

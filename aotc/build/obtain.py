@@ -46,7 +46,9 @@ class BuiltArtifact:
     cache_notes: list[str] = field(default_factory=list)  # corrupt entries found, compiled again
 
 
-def obtain_artifacts(options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress) -> dict[tuple[str, int, int | None], BuiltArtifact]:
+def obtain_artifacts(
+    options: BuildOptions, backend: Backend, keyed: list[KeyedGraph], out_dir: Path | None, cache: LocalCache | None, jobs: int, progress: Progress
+) -> dict[tuple[str, int, int | None], BuiltArtifact]:
     """Every keyed graph's artifact, copied into out_dir (the bundle being written) when given."""
     built: dict[tuple[str, int, int | None], BuiltArtifact] = {}  # by KeyedGraph.id
     misses = []

@@ -192,8 +192,7 @@ class BuildOptions:
         above = [c for c in given if c > self.max_seq]
         if above:
             raise AotcError(
-                f"--context-buckets {','.join(map(str, given))}: {above[0]} is more than --max-seq {self.max_seq}; "
-                "a context bucket is a number of cache positions, at most max_seq"
+                f"--context-buckets {','.join(map(str, given))}: {above[0]} is more than --max-seq {self.max_seq}; a context bucket is a number of cache positions, at most max_seq"
             )
         self.context_buckets = tuple(sorted({*given, self.max_seq}))
 
@@ -211,7 +210,6 @@ class BuildOptions:
         if why:
             raise AotcError(f"backend {self.backend!r} cannot compile here: {why}")
         return backend
-
 
     def _check_default_out(self) -> None:
         """The default -o is named after the model's folder or Hub name alone, which two models

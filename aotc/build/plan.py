@@ -86,7 +86,9 @@ def with_shards(variant: Variant, model) -> Variant:
         if w.transform is not None and any(specs):
             # A stack of whole experts is split by experts (its own spec); no other derived weight splits.
             if not all(s is not None and s.kind == "experts" for s in specs):
-                raise AotcError(f"{parallel.flag(layout)}: {variant.entry_id}'s weight {w.path} is derived ({w.transform}) from tensors the plan splits; aotc splits plain weights only")
+                raise AotcError(
+                    f"{parallel.flag(layout)}: {variant.entry_id}'s weight {w.path} is derived ({w.transform}) from tensors the plan splits; aotc splits plain weights only"
+                )
             specs = [weight_shard(model, f"{path}.{w.path}" if path else w.path, w.stored)]
         if specs[0] is not None:
             shards[w.key] = specs[0]

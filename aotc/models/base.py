@@ -223,8 +223,7 @@ def parse_config(
     if kv_cache is not None:
         if kv_cache.dtype not in arch.model_class.kv_cache_dtypes:
             raise ConfigError(
-                f"--kv-cache-dtype {kv_cache.dtype}: {arch.name} keeps its caches as "
-                f"{' or '.join(arch.model_class.kv_cache_dtypes)}; build it with --kv-cache-dtype auto"
+                f"--kv-cache-dtype {kv_cache.dtype}: {arch.name} keeps its caches as {' or '.join(arch.model_class.kv_cache_dtypes)}; build it with --kv-cache-dtype auto"
             )
         config = dataclasses.replace(config, kv_cache=kv_cache)
     if layout is not None and layout.world_size > 1:

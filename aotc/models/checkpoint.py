@@ -18,10 +18,20 @@ SINGLE = "model.safetensors"
 
 # safetensors dtype codes -> torch dtypes
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
     "F4": torch.float4_e2m1fn_x2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -54,10 +64,7 @@ class Checkpoint:
                         sl = f.get_slice(name)
                         dtype = _DTYPES.get(sl.get_dtype())
                         if dtype is None:
-                            raise WeightsError(
-                                f"{file}: tensor {name!r} has dtype {sl.get_dtype()}, which aotc does not read; "
-                                f"known: {', '.join(sorted(_DTYPES))}"
-                            )
+                            raise WeightsError(f"{file}: tensor {name!r} has dtype {sl.get_dtype()}, which aotc does not read; known: {', '.join(sorted(_DTYPES))}")
                         self.tensors[name] = TensorInfo(name, tuple(sl.get_shape()), dtype, file)
             except (SafetensorError, OSError) as e:
                 # Truncated, empty or not a safetensors file at all: its header does not parse.
@@ -98,8 +105,7 @@ class Checkpoint:
         info = self.info(name)
         if tuple(info.shape) != tuple(shape):
             raise WeightsError(
-                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} "
-                "from config.json; the config and the weights do not belong together"
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} from config.json; the config and the weights do not belong together"
             )
         return info
 
@@ -213,10 +219,7 @@ def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> St
     scale_info = checkpoint.info(scale)
     if scale_info.shape != expected:
         block = "x".join(map(str, quant.BLOCKS[fmt]))
-        raise WeightsError(
-            f"{scale_info.file}: {scale!r} has shape {list(scale_info.shape)}, expected {list(expected)} "
-            f"(one scale per {block} block of {list(shape)})"
-        )
+        raise WeightsError(f"{scale_info.file}: {scale!r} has shape {list(scale_info.shape)}, expected {list(expected)} (one scale per {block} block of {list(shape)})")
     if scale_info.dtype not in (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8):
         raise WeightsError(f"{scale_info.file}: {scale!r} is {scale_info.dtype}; block scales are F32, BF16 or E8M0 (F8_E8M0 or U8 exponents)")
     return StoredInfo(fmt, name, scale)

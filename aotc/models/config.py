@@ -90,10 +90,7 @@ class ConfigReader:
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise ConfigError(
-                f"{self.source}: field {key!r} must be {_TYPE_NAMES.get(typ, typ.__name__)}, "
-                f"got {value!r} ({type(value).__name__})"
-            )
+            raise ConfigError(f"{self.source}: field {key!r} must be {_TYPE_NAMES.get(typ, typ.__name__)}, got {value!r} ({type(value).__name__})")
         return value
 
     def positive_number(self, key: str, default: Any = _MISSING, where: dict | None = None) -> float:

@@ -55,9 +55,9 @@ from torch import nn
 
 from .. import parallel
 from ..entry import entry
+from ..errors import ConfigError, WeightsError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from ..layout import Derived
-from ..errors import ConfigError, WeightsError
 from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .config import ConfigReader, ModelConfig
 from .registry import register_architecture
@@ -440,6 +440,7 @@ class Attention(nn.Module):
             comp = self.compressor
             comp.store(h, slots, positions, caches["comp_kv"], caches["comp_gate"])
             comp.emit(slots, positions, caches["comp_kv"], caches["comp_gate"], caches["comp"], *self.rope("compress"))
+
             def of_rows(cache, rows):  # [E, D] shared by the rows, or [N, E, D]; slots[:1], not the .item() of slots[0]
                 return load(rows, cache, (slots[:1],), h.dtype)[0] if one_sequence else load(rows, cache, (slots,), h.dtype)
 
@@ -693,9 +694,7 @@ class Block(nn.Module):
         self.iters, self.eps = c.hc_sinkhorn_iters, c.hc_eps
 
     def mix(self, site, streams, block):
-        post, comb, collapsed = hyper_weights(
-            streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters, self.eps
-        )
+        post, comb, collapsed = hyper_weights(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"), self.iters, self.eps)
         out = block(collapsed)
         dtype = streams.dtype
         return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams

@@ -57,8 +57,8 @@ from .. import parallel
 from ..entry import entry, freezer
 from ..errors import ConfigError, WeightsError
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
-from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from . import hf_compat, hf_parallel
+from .base import SCRATCH_SLOT, CausalLM, read_dtype
 from .checkpoint import Merged
 from .config import ConfigReader, ModelConfig
 from .packing import pack, packed_rows, packed_visible
@@ -171,10 +171,7 @@ def _check_layer_kinds(hf_config, source) -> None:
     for i, kind in enumerate(getattr(hf_config, "layer_types", None) or ()):
         if kind not in ("full_attention", "sliding_attention"):
             what = _LAYER_KINDS.get(kind, "no attention layer aotc knows")
-            raise ConfigError(
-                f"{source}: layer_types[{i}] is {kind!r}, {what}; aotc's generic path runs full and sliding attention layers, "
-                "each with a KV cache of its own"
-            )
+            raise ConfigError(f"{source}: layer_types[{i}] is {kind!r}, {what}; aotc's generic path runs full and sliding attention layers, each with a KV cache of its own")
     shared = getattr(hf_config, "num_kv_shared_layers", None)
     if shared:
         raise ConfigError(
@@ -284,8 +281,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     slots = kwargs.get("aotc_slots")  # [T], prefill only
     if positions is None:
         raise ConfigError(
-            f"{type(module).__qualname__} called attention without the kwargs its layer was given; aotc's generic path "
-            "passes positions through them, as transformers' layers do"
+            f"{type(module).__qualname__} called attention without the kwargs its layer was given; aotc's generic path passes positions through them, as transformers' layers do"
         )
     if attention_mask is not None:
         raise ConfigError(f"{type(module).__qualname__} was given an attention mask; aotc's generic path masks by position")
@@ -884,7 +880,7 @@ def _contract_of(calls: list[_Call], layers, config: TransformersConfig, hf_conf
     shapes = {c.writes[0][:2] for c in calls}
     if len(shapes) != 1:
         raise ConfigError(f"{config.architecture}: its layers write caches of several shapes ({sorted(shapes)}); aotc's generic path needs one")
-    (k_shape, v_shape), = shapes
+    ((k_shape, v_shape),) = shapes
     rope = {c.tensors["position_embeddings"][0][-1] if "position_embeddings" in c.tensors else 0 for c in calls}
     if len(rope) != 1:
         raise ConfigError(f"{config.architecture}: some of its layers are given rotary embeddings and some not; aotc's generic path needs all or none")
@@ -948,7 +944,9 @@ def _layer_class(base: type, contract: Contract) -> type:
     def prefill(self, *args):
         return call(self, False, args)
 
-    signed = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    signed = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
+    )
     decode.__signature__ = prefill.__signature__ = signed
     decode.__qualname__ = f"{base.__name__}.decode"
     prefill.__qualname__ = f"{base.__name__}.prefill"

@@ -133,7 +133,9 @@ def shard_specs(model_class: type, fields: dict, hf_config, architecture: str, d
         size = out_rows if how == "colwise" else in_cols
         blocks = [_role_size(r, s, size, roles) for r in roles]
         if sum(blocks) != size:
-            raise ConfigError(f"config.json: {architecture}'s {full}.weight has {size} rows, not the {' + '.join(map(str, blocks))} of its fused {', '.join(roles)}; aotc cannot split it")
+            raise ConfigError(
+                f"config.json: {architecture}'s {full}.weight has {size} rows, not the {' + '.join(map(str, blocks))} of its fused {', '.join(roles)}; aotc cannot split it"
+            )
         # A fused tensor's blocks split alike: KV heads repeated past their count would not
         # (parallel.misfit then names the tensor and the degrees that split it).
         part_ways = ways[roles[0]] if len({ways[r] for r in roles}) == 1 else degree

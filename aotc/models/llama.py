@@ -517,4 +517,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 @register_architecture(model_types=("mistral",), architectures=("MistralForCausalLM",))
 class MistralForCausalLM(LlamaForCausalLM):
     pass
-

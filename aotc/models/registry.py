@@ -77,10 +77,7 @@ def resolve(config: dict, source: Path | str, modeling: str = "auto") -> Archite
     if modeling not in MODELING:
         raise ConfigError(f"--modeling {modeling!r}: expected one of {', '.join(MODELING)}")
     if config.get("is_encoder_decoder") is True:
-        raise ConfigError(
-            f"{source}: model_type {config.get('model_type')!r} is an encoder-decoder (field 'is_encoder_decoder' is true); "
-            "aotc compiles decoder-only causal LMs"
-        )
+        raise ConfigError(f"{source}: model_type {config.get('model_type')!r} is an encoder-decoder (field 'is_encoder_decoder' is true); aotc compiles decoder-only causal LMs")
     if modeling == "transformers":
         if not hf.knows(config):
             raise ConfigError(
@@ -96,8 +93,7 @@ def resolve(config: dict, source: Path | str, modeling: str = "auto") -> Archite
     if by_name and model_type is not None and by_type is not by_name:
         what = f"is {by_type.name}" if by_type else "is no architecture aotc knows"
         raise ConfigError(
-            f"{source}: model_type {model_type!r} {what}, but architectures {list(names)} is {by_name.name}; "
-            "the config contradicts itself. Fix whichever field is wrong"
+            f"{source}: model_type {model_type!r} {what}, but architectures {list(names)} is {by_name.name}; the config contradicts itself. Fix whichever field is wrong"
         )
     if by_type or by_name:
         return by_type or by_name

@@ -19,12 +19,12 @@ from safetensors.torch import save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .. import quant
+from ..errors import ConfigError
+from ..format import temp_folder, write_atomic
 from ..quant import FP8_BLOCK
 from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .checkpoint import scale_names
 from .corpus import CORPUS
-from ..errors import ConfigError
-from ..format import temp_folder, write_atomic
 from .registry import get_architecture
 
 DEFAULT_ARCH = "llama"
@@ -43,7 +43,6 @@ TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL[1], "eos_token": SPECIAL[2], "unk_token": SPECIAL[0],
     "chat_template": CHAT_TEMPLATE,
 }  # fmt: skip
-
 
 
 def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB) -> Tokenizer:

@@ -96,8 +96,14 @@ def _resigned(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     call = ModuleCallSignature(args, top.signature.outputs, in_spec, top.signature.out_spec)
     calls = [ModuleCallEntry(top.fqn, call)] + list(program.module_call_graph[1:])
     return torch.export.ExportedProgram(
-        gm, gm.graph, signature, program.state_dict, program.range_constraints, calls,
-        (tuple(n.meta["val"] for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), {}), program.constants,
+        gm,
+        gm.graph,
+        signature,
+        program.state_dict,
+        program.range_constraints,
+        calls,
+        (tuple(n.meta["val"] for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), {}),
+        program.constants,
         verifiers=program.verifiers,
     )
 

@@ -78,8 +78,7 @@ class ResliceCacheViews(GraphPass):
                 continue
             if node.target not in _WRITES:
                 raise TraceError(
-                    f"{source_line(node)}: in-place {node.target} writes through a view of input "
-                    f"'{root.name}'; write with index_put_ (x[idx] = v) or copy_ on the view instead"
+                    f"{source_line(node)}: in-place {node.target} writes through a view of input '{root.name}'; write with index_put_ (x[idx] = v) or copy_ on the view instead"
                 )
             with gm.graph.inserting_before(node):
                 new = _Rewriter(gm.graph, node, root).rewrite()

@@ -130,8 +130,7 @@ def _regions(node: fx.Node, top: fx.Node) -> dict[tuple[int, int], tuple[torch.d
     for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
         if b0 < a1:
             raise TraceError(
-                f"input '{node.name}': its regions at bytes {a0}:{a1} and {b0}:{b1} overlap; the regions of a packed "
-                "buffer must be disjoint column ranges, each read as one dtype"
+                f"input '{node.name}': its regions at bytes {a0}:{a1} and {b0}:{b1} overlap; the regions of a packed buffer must be disjoint column ranges, each read as one dtype"
             )
     return regions
 

@@ -57,7 +57,8 @@ import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.utils._sympy.functions import Max as TorchMax, Min as TorchMin
+from torch.utils._sympy.functions import Max as TorchMax
+from torch.utils._sympy.functions import Min as TorchMin
 
 from ..errors import TraceError
 from ..models.base import SCRATCH_SLOT
@@ -82,15 +83,48 @@ _SYM_ARITH = {
 _SYM_COMPARE = {operator.ge, operator.gt, operator.le, operator.lt, operator.eq, operator.ne}
 # Ops whose rows stay independent (beyond pointwise ops, found by their tag).
 _ROW_WISE = {
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.permute.default,
-    aten.transpose.int, aten.t.default, aten.select.int, aten.slice.Tensor, aten.narrow.default,
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-    aten.linear.default, aten.matmul.default, aten.mm.default, aten.index.Tensor, aten.index_select.default,
-    aten.stack.default, aten.cat.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-    aten.gelu.default, aten.silu.default, aten.relu.default, aten.sigmoid.default, aten.clamp.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.type_as.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.expand.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.linear.default,
+    aten.matmul.default,
+    aten.mm.default,
+    aten.index.Tensor,
+    aten.index_select.default,
+    aten.stack.default,
+    aten.cat.default,
+    aten.softmax.int,
+    aten._softmax.default,
+    aten.log_softmax.int,
+    aten.sum.dim_IntList,
+    aten.mean.dim,
+    aten.amax.default,
+    aten.amin.default,
+    aten.gelu.default,
+    aten.silu.default,
+    aten.relu.default,
+    aten.sigmoid.default,
+    aten.clamp.default,
 }
 _SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor}
 _SUM, _MEAN, _AMAX = aten.sum.dim_IntList, aten.mean.dim, aten.amax.default
@@ -344,7 +378,8 @@ class _Stripper:
                 self.changes += 1
                 return
             self.fail(
-                node, f"{node.target} takes a value computed by .item() (a size or an index)",
+                node,
+                f"{node.target} takes a value computed by .item() (a size or an index)",
                 "Use the tensor itself: index with index tensors, build fixed-size tensors and mask them",
             )
         ins = {a: self.padded_dims(a) for a in inputs}
@@ -395,7 +430,8 @@ class _Stripper:
             self.padded_dims(node)
             return
         self.fail(
-            node, f"{target} on the rows of nonzero / a boolean mask (padded to a fixed count), which is not known to be row-wise",
+            node,
+            f"{target} on the rows of nonzero / a boolean mask (padded to a fixed count), which is not known to be row-wise",
             "Use row-wise ops on them and combine rows with index_add_ / sum, or write it with a fixed-size mask (torch.where)",
         )
 
@@ -431,7 +467,8 @@ class _Stripper:
         root, _ = alias_root(target)
         if root.op != "placeholder":
             self.fail(
-                node, "an indexed write at the rows of nonzero into a tensor that is not a cache input",
+                node,
+                "an indexed write at the rows of nonzero into a tensor that is not a cache input",
                 "Accumulate instead (index_add_ / index_put_(..., accumulate=True) of masked values), or write into a cache",
             )
         # A cache write: padded rows go to the scratch slot (dim 0 of a cache is its slot).
@@ -488,7 +525,8 @@ class _Stripper:
             if node.op == "call_function" and (node.target in _ITEM or node.target is aten.sym_size.int or node.target in _SYM_COMPARE) and unbacked_in(node):
                 user = next(iter(node.users), node)
                 self.fail(
-                    user, f"{user.target} uses a data-dependent number ({node.meta['val']})",
+                    user,
+                    f"{user.target} uses a data-dependent number ({node.meta['val']})",
                     "Compute it as a tensor (x.sum(), a mask) instead of a Python number",
                 )
         self.gm.recompile()

@@ -24,13 +24,13 @@ from ..backends.base import Device, Weights
 from ..entry import entries_of
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, crossed_weights, read_manifest
+from ..kvcache import Regions
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
 from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
 from ..parallel import data_parallel, flag
 from ..plugins import load_plugins
 from ..scratch import own_folder, temp_error
-from ..kvcache import Regions
 from .dispatch import Dispatcher, StepMemo
 from .resident import DeviceCaches
 
@@ -213,12 +213,7 @@ class Bundle:
         if device.resident:
             model.allocate_caches = DeviceAllocator(model, device)
         # Every entry the model has must run compiled: nothing falls back to eager unseen.
-        unbound = [
-            f"{path or type(m).__name__}.{method}"
-            for path, m in model.named_modules()
-            for method in entries_of(type(m))
-            if not isinstance(vars(m).get(method), Dispatcher)
-        ]
+        unbound = [f"{path or type(m).__name__}.{method}" for path, m in model.named_modules() for method in entries_of(type(m)) if not isinstance(vars(m).get(method), Dispatcher)]
         if unbound:
             Bundle.unbind(model)
             raise BundleError(
@@ -259,8 +254,7 @@ def check_pin(path: Path, manifest: Manifest, expect_digest: str | None, plugins
     missing = [p for p in manifest.plugins if p not in plugins]
     if missing:
         raise BundleError(
-            f"{path} was built with the plugin {', '.join(missing)}; pass --plugin {' --plugin '.join(missing)} "
-            "to run it (aotc imports a module only when you name it)"
+            f"{path} was built with the plugin {', '.join(missing)}; pass --plugin {' --plugin '.join(missing)} to run it (aotc imports a module only when you name it)"
         )
 
 
@@ -351,14 +345,12 @@ def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, shar
         t = _tensor(instance, path, spec.path, bundle)
     if list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
         raise BundleError(
-            f"weight {path}.{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for "
-            f"{spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
+            f"weight {path}.{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for {spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
         )
     if list(t.stride()) != spec.stride:
         # Compiled code indexes weights with the traced strides: other strides would run silently wrong.
         raise BundleError(
-            f"weight {path}.{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for "
-            f"{spec.stride}; make it contiguous (tensor.contiguous()) before binding"
+            f"weight {path}.{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for {spec.stride}; make it contiguous (tensor.contiguous()) before binding"
         )
     # One detached tensor per model tensor (a tied one included), whichever entries and
     # instances take it: a device places each once.

@@ -147,10 +147,7 @@ class Dispatcher:
         largest = self.buckets[-1]
         if not self.split:
             if n > largest:
-                raise BundleError(
-                    f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} "
-                    "rows per call, or rebuild with a larger bucket"
-                )
+                raise BundleError(f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} rows per call, or rebuild with a larger bucket")
             return self._run(self._context(args), args, n)
         rows = self.pieces(n)
         if len(rows) == 1:
@@ -196,10 +193,7 @@ class Dispatcher:
         for c in self.contexts:
             if c >= need:
                 return self.memo.put(positions, ("context", reach), c)
-        raise BundleError(
-            f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); "
-            "rebuild with a larger --max-seq"
-        )
+        raise BundleError(f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); rebuild with a larger --max-seq")
 
     def _run(self, context: int | None, args, n: int, call: int = 0):
         layout = self.layouts[context]

@@ -65,10 +65,7 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq: int, l
         if not p:
             raise AotcError(f"prompt {i} is empty; give at least one token")
         if len(p) + max_new_tokens > max_seq:
-            raise AotcError(
-                f"prompt {i} has {len(p)} tokens; with {asked}{max_new_tokens} that is "
-                f"{len(p) + max_new_tokens} positions, more than {limit}"
-            )
+            raise AotcError(f"prompt {i} has {len(p)} tokens; with {asked}{max_new_tokens} that is {len(p) + max_new_tokens} positions, more than {limit}")
 
 
 @torch.no_grad()

@@ -127,8 +127,7 @@ def _watch(children: list[subprocess.Popen], logs: str, deadline: float = float(
         if first_end is not None and time.monotonic() - first_end[0] > deadline:
             rank = codes.index(None)
             return 1, (
-                f"rank {rank} had not ended {deadline:g} s after rank {first_end[1]} did (AOTC_RANK_TIMEOUT): it is stopped, "
-                "or waits on a collective that no other rank will join"
+                f"rank {rank} had not ended {deadline:g} s after rank {first_end[1]} did (AOTC_RANK_TIMEOUT): it is stopped, or waits on a collective that no other rank will join"
             ) + _tail(Path(logs) / f"rank{rank}.log")
         time.sleep(POLL_S)
 

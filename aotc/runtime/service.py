@@ -235,10 +235,7 @@ class Service:
                 raise AotcError("this service is closed; open another with session.service()")
             running, waiting = self.counts()
             if self.max_waiting is not None and running + waiting >= self.engine.capacity + self.max_waiting:
-                raise QueueFull(
-                    f"{running} requests run and {waiting} wait for a slot ({self.engine.capacity} slots, max_waiting "
-                    f"{self.max_waiting}); try again later"
-                )
+                raise QueueFull(f"{running} requests run and {waiting} wait for a slot ({self.engine.capacity} slots, max_waiting {self.max_waiting}); try again later")
             self._queued += 1
             self._inbox.put(("submit", handle))
         return handle

@@ -46,12 +46,12 @@ from ..backends.base import DeviceBuffer
 from ..entry import entries_of
 from ..errors import AotcError, BundleError
 from ..format import Manifest, read_manifest
+from ..kvcache import Fp8Rows, Regions
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
 from ..models.base import full_precision, load_model, memory_shortfall, reference_model
 from ..models.config import ConfigReader
 from ..models.registry import get_architecture
 from ..parallel import flag
-from ..kvcache import Fp8Rows, Regions
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
 from .check import bound, error, precision, tolerance_for

@@ -194,7 +194,11 @@ class Server:
             if max_tokens is None:  # chat's default, as vLLM's: what the context has left
                 max_tokens = max_seq - len(ids)
             if len(ids) + max_tokens > max_seq:
-                raise ApiError(400, f"max_tokens: {max_tokens}; with the prompt's {len(ids)} tokens that is more than this model's context of {max_seq} tokens; ask for at most {max_seq - len(ids)}", param="max_tokens")
+                raise ApiError(
+                    400,
+                    f"max_tokens: {max_tokens}; with the prompt's {len(ids)} tokens that is more than this model's context of {max_seq} tokens; ask for at most {max_seq - len(ids)}",
+                    param="max_tokens",
+                )
             return self.service.submit(ids, max_tokens=max_tokens, sampling=sampling, stop=stops, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
         except QueueFull:
             raise
@@ -360,4 +364,3 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 def _sse(body: dict) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
-

@@ -6,9 +6,10 @@ fp32 matmul, both measured in the same run; issue 19's targets (>= 0.7 of the ro
 
 from __future__ import annotations
 
+from common import BUCKETS, Run, copy_bandwidth, gemm_peak, print_misses, section, table
+
 from aotc.models.base import load_model
 from aotc.runtime import Bundle
-from common import BUCKETS, Run, copy_bandwidth, gemm_peak, print_misses, section, table
 from sections.decode import decode_times
 
 # Issue 19's targets, per batch bucket 1-8: aotc decode within 0.4x eager's step time, and at

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 
+from common import HERE, MAX_SEQ, Run, section, table
+
 from aotc.format import read_manifest
 from aotc.models.tiny import write_tiny
-from common import HERE, MAX_SEQ, Run, section, table
 
 _WHOLE = r"""
 import sys, time, json, torch

@@ -15,13 +15,13 @@ import statistics
 import time
 
 import torch
+from common import Run, gemm_peak, print_misses, section, table
+from smollm2 import smollm2
 
 from aotc.build.options import DEFAULT_CHUNK_BUCKETS
 from aotc.chat import render_user_turn
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, generate
-from common import Run, gemm_peak, print_misses, section, table
-from smollm2 import smollm2
 
 # Each 38 tokens in SmolLM2's chat template (its system turn included).
 PROMPTS = ("Write a haiku about the sea.", "What is the boiling point of water?", "How many legs does a spider have?", "Suggest a name for a pet dog.")

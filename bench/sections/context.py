@@ -6,11 +6,11 @@ the 256 bundle at 128, <= 1.1x eager at 4000)."""
 from __future__ import annotations
 
 import torch
+from common import MAX_SEQ, Run, print_misses, section, table, timeit
+from gptfast import from_aotc
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
-from common import MAX_SEQ, Run, print_misses, section, table, timeit
-from gptfast import from_aotc
 
 CONTEXT_MAX_SEQ, CONTEXT_POSITIONS = 4096, (128, 4000)
 CONTEXT_TARGETS = {"long/short bundle at 128": 1.2, "aotc/eager at 4000": 1.1}

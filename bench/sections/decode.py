@@ -4,11 +4,11 @@ eager and torch.compile of a gpt-fast style static-cache model."""
 from __future__ import annotations
 
 import torch
+from common import BUCKETS, MAX_SEQ, POSITION, Run, section, table, timeit
+from gptfast import from_aotc
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle
-from common import BUCKETS, MAX_SEQ, POSITION, Run, section, table, timeit
-from gptfast import from_aotc
 
 
 def decode_times(run: Run, model, bundles: dict[str, Bundle], batches=BUCKETS, *, torch_compile: bool = True) -> list[dict]:

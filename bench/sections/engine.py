@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from common import Run, print_misses, section, table
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, generate
 from aotc.runtime.engine import Engine
-from common import Run, print_misses, section, table
 
 RATE_OVER_CAPACITY = 1.5
 THROUGHPUT_TARGET, TTFT_P99_TARGET = 1.5, 0.5  # engine / static groups: at least, at most

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 import torch
+from common import M100, Run, console, section, table, timeit, transformers_decode_step, transformers_model
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
-from common import M100, Run, console, section, table, timeit, transformers_decode_step, transformers_model
 
 BATCHES = (1, 4)
 POSITION = 128
@@ -69,7 +69,9 @@ def generic(run: Run) -> dict:
     via = decode_times(run, llama_dir, "transformers", chunk, prompts, step_ids)
     rows = []
     for b in BATCHES:
-        torch.testing.assert_close(via[f"b{b} logits"], own[f"b{b} logits"], atol=tolerance, rtol=tolerance, msg=f"llama batch {b}: the generic path's logits differ from the llama path's")
+        torch.testing.assert_close(
+            via[f"b{b} logits"], own[f"b{b} logits"], atol=tolerance, rtol=tolerance, msg=f"llama batch {b}: the generic path's logits differ from the llama path's"
+        )
         rows.append({
             "model": f"llama {run.main}", "batch": b, f"{run.aotc} llama path ms": own[f"b{b} ms"], f"{run.aotc} generic path ms": via[f"b{b} ms"],
             "generic / llama path": via[f"b{b} ms"] / own[f"b{b} ms"],
@@ -78,7 +80,9 @@ def generic(run: Run) -> dict:
     qwen3 = decode_times(run, qwen3_dir, "transformers", chunk, prompts, step_ids, hf=hf)
     qrows = []
     for b in BATCHES:
-        torch.testing.assert_close(qwen3[f"b{b} logits"], qwen3[f"b{b} transformers logits"], atol=tolerance, rtol=tolerance, msg=f"qwen3 batch {b}: logits differ from transformers'")
+        torch.testing.assert_close(
+            qwen3[f"b{b} logits"], qwen3[f"b{b} transformers logits"], atol=tolerance, rtol=tolerance, msg=f"qwen3 batch {b}: logits differ from transformers'"
+        )
         qrows.append({
             "model": f"qwen3 {run.main}", "batch": b, f"{run.aotc} generic path ms": qwen3[f"b{b} ms"], "transformers ms": qwen3[f"b{b} transformers ms"],
             "vs transformers": qwen3[f"b{b} transformers ms"] / qwen3[f"b{b} ms"],

@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 import torch
+from common import M100, MAX_SEQ, POSITION, Run, section, table, timeit
 
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.bundle import bound_weights
-from common import M100, MAX_SEQ, POSITION, Run, section, table, timeit
 
 LOWP_TOKENS = 200
 # The checkpoint each row's label names: write_tiny's arguments.

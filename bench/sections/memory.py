@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 
-from aotc.models.tiny import write_tiny
 from common import M100, MAX_SEQ, Run, section, table
+
+from aotc.models.tiny import write_tiny
 
 LAYERS = 32
 _RSS = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 
 import torch
+from common import Run, console, copy_bandwidth, section, table, timeit, transformers_decode_step, transformers_model
 
 from aotc.build import BuildOptions
 from aotc.build.plan import make_plan
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
 from aotc.trace import trace
-from common import Run, console, copy_bandwidth, section, table, timeit, transformers_decode_step, transformers_model
 
 MOE_100M = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,

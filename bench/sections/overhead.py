@@ -9,13 +9,13 @@ import contextlib
 import time
 
 import torch
+from common import Run, print_misses, section, table
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
-from common import Run, print_misses, section, table
 
 OVERHEAD_BATCHES, OVERHEAD_TOKENS, OVERHEAD_TARGET = (1, 8), 64, 0.10  # 16 tokens, one run under --quick
 
@@ -90,7 +90,11 @@ def overhead(run: Run) -> dict:
                 "host us per step": (figures["step"] - figures["graphs"]) * 1e6, "overhead / graphs": share,
                 "allocations per step": figures["allocations"], "target met": layers != 2 or batch != 1 or share <= OVERHEAD_TARGET,
             })  # fmt: skip
-    misses = [f"tiny (2 layers), batch 1: host work {r['host us per step']:.0f} us a step, {r['overhead / graphs']:.0%} of the {r['in graphs ms'] * 1e3:.0f} us in graphs" for r in rows if not r["target met"]]
+    misses = [
+        f"tiny (2 layers), batch 1: host work {r['host us per step']:.0f} us a step, {r['overhead / graphs']:.0%} of the {r['in graphs ms'] * 1e3:.0f} us in graphs"
+        for r in rows
+        if not r["target met"]
+    ]
     table(f"decode step of generate against its compiled graphs, tiny model (ms); target: overhead <= {OVERHEAD_TARGET:.0%} at batch 1", rows)
     print_misses(misses)
     return {

@@ -14,11 +14,12 @@ import json
 import subprocess
 import sys
 
+from common import MAX_SEQ, Run, section, table
+
 from aotc import parallel
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
-from common import MAX_SEQ, Run, section, table
 
 PROMPT = "Once upon a time there was a small model that learned to count: one, two, three,"
 

@@ -23,17 +23,17 @@ from __future__ import annotations
 import json
 import shutil
 
-import torch
-from safetensors.torch import load_file, save_file
-
 import llamacpp
+import torch
+from common import HERE, Run, console, print_misses, section, table
+from safetensors.torch import load_file, save_file
+from smollm2 import smollm2
+
 from aotc.chat import render_user_turn
 from aotc.models.base import load_model
 from aotc.quantize import quantize_model
 from aotc.runtime import Bundle, generate
-from common import HERE, Run, console, print_misses, section, table
 from sections.lowp import read_by_graphs
-from smollm2 import smollm2
 
 PEER_PROMPT, PEER_NEW = 16, 128
 PASSAGE = HERE.parent / "tests" / "data" / "declaration.txt"

@@ -7,11 +7,11 @@ against eager and torch.compile of the gpt-fast style model on the same chunks; 
 from __future__ import annotations
 
 import torch
+from common import Run, gemm_peak, print_misses, section, table, timeit
+from gptfast import from_aotc
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
-from common import Run, gemm_peak, print_misses, section, table, timeit
-from gptfast import from_aotc
 
 PREFILL_PROMPT, PREFILL_MAX_SEQ, PREFILL_TARGET = 715, 1024, 0.8
 PREFILL_CHUNKS = ((128,), (512,), (128, 512))  # a bundle's chunk buckets (--prefill-chunk)

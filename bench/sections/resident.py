@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
+from common import MAX_SEQ, POSITION, Run, print_misses, section, table, timeit
 
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, tolerance_for
-from common import MAX_SEQ, POSITION, Run, print_misses, section, table, timeit
 
 RESIDENT_MAX_SEQ, RESIDENT_STEPS = 4096, 32  # max_seq 1024 under --quick
 

@@ -27,17 +27,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import torch
-from filelock import FileLock
-
 import llamacpp
+import torch
+from common import Run, console, print_misses, section, table
+from filelock import FileLock
+from smollm2 import smollm2
+
+from aotc import Session
 from aotc.format import read_manifest
 from aotc.models.base import load_model
-from aotc import Session
 from aotc.runtime import Bundle, generate
-from common import Run, console, print_misses, section, table
 from sections.engine import Ask, _ms
-from smollm2 import smollm2
 
 AIPERF = "aiperf==0.13.0"
 CONCURRENCY, WARMUP = 16, 8

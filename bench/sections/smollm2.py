@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 
 import torch
+from common import Run, section, table
+from smollm2 import smollm2
 
 from aotc.chat import render_user_turn
 from aotc.models.base import load_model
 from aotc.runtime import Bundle, check_generation, generate
-from common import Run, section, table
-from smollm2 import smollm2
 
 PROMPTS = (
     "What is the capital of France?",

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 import torch
+from common import Run, console, copy_bandwidth, section, table, timeit
 
 from aotc.models.base import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, tolerance_for
-from common import Run, console, copy_bandwidth, section, table, timeit
 
 # ~100M-parameter DeepSeek V4, fp32: 93M in total, 27M active per token. 6 layers (each
 # attention kind twice), hidden 512, 16 routed experts of 512 at top-2 and a shared one.

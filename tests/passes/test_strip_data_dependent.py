@@ -11,12 +11,12 @@ from aotc.backends.base import Weights
 from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.errors import TraceError
+from aotc.layout import TRANSFORMS, graph_weights, stored_of, weights_of
 from aotc.models.base import fake_tensor_mode, load_model
 from aotc.models.tiny import write_tiny
 from aotc.passes import needs_static, pipeline_for
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears
 from aotc.passes.strip_data_dependent import StripDataDependent, has_unbacked
-from aotc.layout import TRANSFORMS, graph_weights, stored_of, weights_of
 from aotc.trace import Shapes, find_variants, trace
 
 aten = torch.ops.aten
@@ -244,6 +244,7 @@ def test_runs_first_for_static_backends_only():
 
 
 # -- DeepSeek V4: every entry traced static and run against eager ----------------------------
+
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
