@@ -21,9 +21,10 @@ from .layout import Derived  # noqa: E402
 from .models.base import SCRATCH_SLOT, CausalLM  # noqa: E402
 from .models.config import ModelConfig  # noqa: E402
 from .models.registry import register_architecture  # noqa: E402
+from .runtime.completion import Completion, TokenEvent  # noqa: E402
 from .runtime.sampling import SamplingParams  # noqa: E402
 from .runtime.service import Handle, QueueFull, Service  # noqa: E402
-from .runtime.session import Completion, Session, TokenEvent  # noqa: E402
+from .runtime.session import Session  # noqa: E402
 
 __all__ = [
     "AotcError",

@@ -539,17 +539,18 @@ def run(
     the ranks of a torchrun launch (RANK and WORLD_SIZE set); rank 0 prints. Every wait on
     other ranks lasts at most AOTC_RANK_TIMEOUT seconds (default 60)."""
     from .format import read_manifest
-    from .models.base import load_model, memory_shortfall
     from .models.config import model_file, read_json_object
     from .models.generation import generation_defaults
     from .models.hub import resolve_model
+    from .models.loader import load_model, memory_shortfall
     from .parallel import joined_rank
     from .plugins import load_plugins
     from .runtime import generate
     from .runtime.bundle import check_pin
+    from .runtime.completion import completions, token_events
     from .runtime.generate import check_lengths
     from .runtime.sampling import SamplingError, SamplingParams
-    from .runtime.session import Session, bundle_model, completions, token_events
+    from .runtime.session import Session, bundle_model
 
     session = None
     try:

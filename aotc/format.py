@@ -785,7 +785,7 @@ def _artifact_kind(manifest: Manifest, source: str, error: type[Exception]):
     """The backend that wrote the bundle, for its artifact kind (extra record, files)."""
     # Resolved here, not imported at the top: the format does not import the backends,
     # and a backend's own file (or a plugin's) declares its kind.
-    from .backends.base import backend_names, find_backend
+    from .backends.registry import backend_names, find_backend
 
     name = manifest.backend.name
     kind = find_backend(name)

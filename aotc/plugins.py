@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 import traceback
 
-from .backends.base import registered_backends
+from .backends.registry import registered_backends
 from .errors import AotcError
-from .models.registry import architectures
+from .models.loader import architectures
 
 
 def load_plugins(names: list[str] | tuple[str, ...]) -> list[str]:

@@ -41,9 +41,9 @@ from . import quant
 from .cache.local import writer_locks
 from .errors import ConfigError, WeightsError
 from .format import temp_folder, umask, writers_turn
-from .models.base import _sources, checkpoint_names, load_model
 from .models.checkpoint import INDEX, Checkpoint, Merged, model_file
 from .models.config import read_config
+from .models.loader import checkpoint_names, checkpoint_sources, load_model
 
 FORMATS = ("fp8", "fp4-experts", "int8")
 HEADS = ("keep", "fp8", "int8")
@@ -159,7 +159,7 @@ class _Plan:
 
 def _plan(model, checkpoint: Checkpoint, fmt: str, head: str) -> _Plan:
     """Which checkpoint tensors become which format."""
-    sources = _sources(model, checkpoint)
+    sources = checkpoint_sources(model, checkpoint)
     tied = model.tied_parameters()
     head_param = next((p for p, _ in model.named_parameters(remove_duplicate=False) if set(checkpoint_names(model, p)) & set(HEAD_NAMES)), None)
     by_param = quant.layer_formats(model, fmt, "--format")

@@ -27,7 +27,7 @@ PASSAGE = HERE.parent / "tests" / "data" / "declaration.txt"
 
 def agreement(folder: Path, kv: str, ids: torch.Tensor, full: torch.Tensor) -> dict:
     from aotc.kvcache import kv_cache_record
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     model = load_model(folder, kv_cache=kv_cache_record(kv, "e4m3fn")).model
     with torch.no_grad():
@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     folder = smollm2("float32")
     ids = torch.tensor(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PASSAGE.read_text()).ids)

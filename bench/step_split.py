@@ -31,7 +31,7 @@ from smollm2 import smollm2  # noqa: E402
 
 from aotc.build import BuildOptions, build  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
-from aotc.models.base import load_model  # noqa: E402
+from aotc.models.loader import load_model  # noqa: E402
 from aotc.quantize import quantize_model  # noqa: E402
 from aotc.runtime import Bundle, generate  # noqa: E402
 from aotc.runtime.bundle import bound_weights  # noqa: E402

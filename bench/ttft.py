@@ -29,7 +29,7 @@ def prompt(n: int) -> torch.Tensor:
 
 def main() -> None:
     mode = sys.argv[1]
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     if mode == "aotc":
         from aotc.runtime import Bundle

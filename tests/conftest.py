@@ -116,7 +116,7 @@ def assert_generation_matches_eager(bundle_dir, model_dir, new_tokens=24, long_p
     equal to eager's (lower precision: eager at the bundle's precision, forced along the
     bundle's tokens, chose each). Returns eager's smallest top-2 gap over the steps compared
     (full precision; lower: None)."""
-    from aotc.models.base import full_precision, load_model
+    from aotc.models.loader import full_precision, load_model
     from aotc.runtime import Bundle, check_generation, compare, generate
 
     bundle = Bundle.load(bundle_dir)

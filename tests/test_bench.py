@@ -132,7 +132,7 @@ def test_lowp_each_row_reads_the_format_its_label_names(bench):
 def test_v4_bytes_read_are_the_chosen_experts_and_the_rest(bench):
     run, sections = bench
     result = sections["v4"](run)
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     model = load_model(run.root / "v4-tiny").model
     c = model.config
@@ -176,7 +176,7 @@ def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
     full, fp8, values = rows
     assert full["dtypes stored"] == "float32" and fp8["dtypes stored"] == "float32,float8_e4m3fn"  # fp8 values, float32 scales
     assert values["cache"] == "fp8 values, bf16 keys" and values["dtypes stored"] == "bfloat16,float32,float8_e4m3fn"
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     model = load_model(run.model("tiny")).model
     c = model.config
@@ -229,7 +229,7 @@ def test_context_reads_the_smallest_bucket_that_holds_the_position(bench):
 def test_resident_counts_the_cache_bytes_a_step_copies(bench):
     run, sections = bench
     rows = sections["resident"](run)["rows"]
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     c = load_model(run.model("tiny")).model.config
     long, short = rows[1], rows[2]
@@ -278,7 +278,7 @@ def test_contention_runs_both_thread_policies_alone_and_beside_a_busy_loop(bench
 def test_ttft_runs_agree_on_the_first_token(bench):
     run, sections = bench
     result = sections["ttft"](run)
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     model = load_model(run.model("tiny")).model
     prompt = torch.arange(3, 3 + result["prompt_tokens"]) % 500 + 3  # bench/ttft.py's prompt

@@ -498,7 +498,7 @@ def test_source_digest_follows_every_python_file_and_nothing_else(tmp_path):
 
 def test_a_config_with_its_fields_in_another_order_is_the_same_recipe(tiny_dir):
     from aotc.cache.keys import recipe_key
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     options = BuildOptions(tiny_dir, **OPTIONS)
     config, model_class, backend = load_model(tiny_dir, weights=False).config_dict, LocalCache, ExportBackend()

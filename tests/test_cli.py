@@ -177,7 +177,7 @@ import os
 import time
 from pathlib import Path
 
-from aotc.backends.base import register_backend
+from aotc.backends.registry import register_backend
 from aotc.backends.export import ExportBackend
 
 

@@ -15,7 +15,7 @@ import torch
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError
 from aotc.format import read_manifest
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle
 
 from .test_expert_parallel import traced_at_ranks, v4_dir  # noqa: F401 (the fixture)

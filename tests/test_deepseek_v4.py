@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 
 from aotc.cli import app  # noqa: E402
 from aotc.errors import ConfigError  # noqa: E402
-from aotc.models.base import load_model  # noqa: E402
+from aotc.models.loader import load_model  # noqa: E402
 from aotc.runtime import generate  # noqa: E402
 
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from aotc.backends.inductor import InductorBackend
 from aotc.backends.xla import XlaBackend
 from aotc.build import BuildOptions, build
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, compare, generate, tolerance_for
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aotc import AotcError, SamplingParams, Session
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime.engine import Engine
 
 CHUNK = 64  # tiny_bundle's largest prefill chunk (conftest: batch buckets 1, 2, 4, chunks 16 and 64, max_seq 256)

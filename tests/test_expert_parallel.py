@@ -17,7 +17,7 @@ from aotc.build import BuildOptions, build
 from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
 from aotc.errors import AotcError
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 

@@ -145,7 +145,7 @@ def test_an_fp32_run_is_compared_up_to_its_first_differing_token_and_a_near_tie_
 
 
 def test_the_precision_a_check_reports_names_the_caches_where_they_are_not_the_models_dtype(tmp_path):
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.runtime.bundle import Bundle
     from aotc.runtime.check import precision
 

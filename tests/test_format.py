@@ -282,7 +282,7 @@ def test_fields_are_checked_against_each_other(bundle_copy, case):
 
 def test_an_instance_of_another_class_is_refused_at_bind(tiny_bundle, tiny_dir, tmp_path):
     """An entry whose cls and id agree but name another class than the module at its path."""
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.runtime import Bundle
 
     bundle = tmp_path / "b"

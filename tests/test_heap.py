@@ -49,7 +49,7 @@ def test_tracing_saving_and_rebuilding_a_graph_run_with_the_collector_paused(tin
     import io
 
     from aotc.backends import export
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.trace import Shapes, find_variants, trace
 
     seen = []

@@ -13,7 +13,7 @@ from aotc import parallel
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError
 from aotc.format import ShardSpec
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import make_tokenizer
 
 from .conftest import LOGIT_ATOL, checkpoint_reads

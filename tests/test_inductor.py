@@ -20,7 +20,7 @@ from aotc.backends.inductor import PORTABLE_FLAGS, InductorBackend, compiled_isa
 from aotc.build import BuildOptions, build, default_backend
 from aotc.cli import app
 from aotc.errors import BundleError
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
@@ -256,7 +256,7 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
     assert not {m for m in imported if m.split(".")[0] in ("jax", "torchax") or m.startswith(("aotc.trace", "aotc.passes", "aotc.build", "torch._dynamo"))}, sorted(imported)
     script = (
         "import sys\n"
-        "from aotc.models.base import load_model\n"
+        "from aotc.models.loader import load_model\n"
         "from aotc.runtime import Bundle, generate\n"
         f"b = Bundle.load({str(bundle)!r})\n"
         "loaded = load_model(b.manifest.model.source)\n"

@@ -13,7 +13,7 @@ from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError, ConfigError, TraceError
 from aotc.format import KvCacheRecord
 from aotc.kvcache import E4M3_CACHE_MAX, Fp8Rows, dequantize_groups, quantize_groups
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.passes import pipeline_for, run_pipeline
 from aotc.passes.base import alias_root
 from aotc.runtime import Bundle
@@ -532,7 +532,7 @@ def test_fp8_caches_turn_a_float_rounding_upstream_into_a_logit_difference(tiny_
     fp8 rounding midpoint, 6% away. Eager alone shows it: the embedding table scaled by
     1 + 2^-20 moves float32 logits by ~1e-6, fp8-cache logits by orders of magnitude more."""
     from aotc.kvcache import kv_cache_record
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     ids = torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(0))
     moved = {}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aotc.errors import ConfigError, WeightsError
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 
 
 @pytest.fixture()

@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation (test extra)")
 
-from aotc.models.base import load_model  # noqa: E402
+from aotc.models.loader import load_model  # noqa: E402
 from aotc.runtime import generate  # noqa: E402
 
 from .conftest import hf_save  # noqa: E402
@@ -156,7 +156,7 @@ def test_the_generic_path_checks_a_configs_common_fields_as_aotcs_own_do(tmp_pat
     import json
 
     from aotc.errors import ConfigError
-    from aotc.models.base import parse_config
+    from aotc.models.loader import parse_config
 
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **change}))
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'config.json'}: {message}"):

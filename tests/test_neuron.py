@@ -214,7 +214,7 @@ def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_pat
     context buckets has that artifact's own cache key; a manifest that says other options
     (full-precision caches) re-traces another graph, which is refused."""
     from aotc.build.key import retrace
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     options = dict(OPTIONS, batch_buckets=(1,))  # one batch bucket: the cache graphs are decode's and prefill's at each context bucket
     result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn2"}, kv_cache_dtype="fp8", context_buckets=(32,), **options))
@@ -258,7 +258,7 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
 
     from aotc import quant
     from aotc.layout import stored_of
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.models.tiny import write_tiny
     from aotc.runtime.bundle import bound_weights
 
@@ -402,7 +402,7 @@ def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tin
     once: nrtpy has no zeroed allocation) and never sent or read again; each execution
     sends at most 1% of the weight bytes (its activations, refilled in place); only
     outputs torch reads (the logits, prefill's last row) come back."""
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.runtime.resident import buffers
 
     bundle, model = Bundle.load(simulated_bundle), load_model(tiny_dir).model

@@ -8,7 +8,7 @@ import torch
 
 from aotc.errors import AotcError
 from aotc.kvcache import kv_cache_record
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.packing import pack, packed_visible
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate

@@ -22,7 +22,7 @@ from aotc.build.key import key_graphs
 from aotc.build.plan import make_plan
 from aotc.errors import AotcError, BundleError
 from aotc.format import ShardSpec, read_manifest
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 

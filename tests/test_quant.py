@@ -19,7 +19,7 @@ from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import BundleError, ConfigError, WeightsError
 from aotc.layout import stored_of
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.passes.decode_fp8_bits import DecodeFp8Bits
 from aotc.runtime import Bundle, compare, generate, tolerance_for

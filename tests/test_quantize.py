@@ -17,7 +17,7 @@ from aotc import quant
 from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import ConfigError, WeightsError
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.quantize import quantize_model
 from aotc.runtime import Bundle, generate

@@ -161,7 +161,7 @@ def test_the_supported_models_tables_are_the_registry_and_the_tests():
     import transformers
 
     from aotc.models import hf
-    from aotc.models.registry import architectures, resolve
+    from aotc.models.loader import architectures, resolve
 
     from .test_transformers_path import ARCHS, REFUSED
 

@@ -191,7 +191,7 @@ def test_default_smoke_prompts_are_cut_to_the_bundle_and_said(small_bundle):
 
 
 def test_single_prompt_streams_each_token_as_it_comes(tiny_dir, small_bundle):
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.runtime import Bundle
 
     loaded = load_model(tiny_dir)

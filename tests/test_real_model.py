@@ -88,7 +88,7 @@ def test_fp8_caches_keep_the_passage_top1_as_float32_caches_do(kv):
     from tokenizers import Tokenizer
 
     from aotc.kvcache import kv_cache_record
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     folder = smollm2("float32")
     text = (Path(__file__).parent / "data" / "declaration.txt").read_text()

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from aotc.cli import _Stream, app
+from aotc.runtime.completion import token_events
 from aotc.runtime.generate import Sequence
-from aotc.runtime.session import token_events
 
 runner = CliRunner()
 TURN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"

@@ -11,7 +11,7 @@ import torch
 from aotc.build import BuildOptions, build
 from aotc.errors import AotcError, BundleError
 from aotc.format import FORMAT_VERSION
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, Dispatcher, generate
 
 from .conftest import assert_generation_matches_eager, record_contexts, wrap_programs, wrap_steps

@@ -264,7 +264,7 @@ def test_an_export_program_is_rebuilt_when_first_run_from_the_bytes_checked_at_l
     import collections
 
     from aotc.backends import export
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
     from aotc.runtime import generate
 
     monkeypatch.setattr(export, "_ARCHIVES", collections.OrderedDict())  # no archive another test loaded
@@ -459,7 +459,7 @@ def test_an_artifact_swapped_after_its_check_is_never_loaded(tiny_bundle, tmp_pa
     the folder can): the program loaded is the one whose hash was checked."""
     from aotc.backends.export import ExportBackend
     from aotc.format import artifact_dir
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     bundle_dir = tmp_path / "b"
     shutil.copytree(tiny_bundle.out, bundle_dir)

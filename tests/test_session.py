@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 import aotc
 from aotc import AotcError, Completion, SamplingParams, Session, TokenEvent
 from aotc.chat import render_messages
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 from aotc.runtime.dispatch import is_bound
@@ -238,9 +238,9 @@ def test_check_is_aotc_run_check(session, monkeypatch):
     """check() and generate(check=True) compare the generation they make with eager; a
     full-precision bundle's check runs eager on the bound model's own weights (no second
     load), and the session is bound again after it."""
-    import aotc.models.base
+    import aotc.models.loader
 
-    monkeypatch.setattr(aotc.models.base, "load_model", lambda *a, **k: pytest.fail("check loaded a second model"))
+    monkeypatch.setattr(aotc.models.loader, "load_model", lambda *a, **k: pytest.fail("check loaded a second model"))
     report = session.check(["Hello", [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=8)
     assert report.passed and report.tokens_equal and len(report.per_prompt) == 2
     done = session.generate(["Hello", [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=8, check=True, max_batch=1)

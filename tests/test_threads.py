@@ -208,7 +208,7 @@ def test_aotc_run_threads_reaches_the_governor(tiny_bundle, monkeypatch):
 def test_generate_asks_the_governor_before_every_step_and_restores(tiny_dir, monkeypatch):
     import sys
 
-    from aotc.models.base import load_model
+    from aotc.models.loader import load_model
 
     generate_mod = sys.modules["aotc.runtime.generate"]  # the module; aotc.runtime.generate is the function
 

@@ -9,7 +9,7 @@ from torch import nn
 import aotc
 from aotc.backends import get_backend_class
 from aotc.errors import TraceError
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.trace import Shapes, find_variants, trace
 

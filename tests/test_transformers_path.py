@@ -30,8 +30,7 @@ from aotc.errors import AotcError, ConfigError
 from aotc.format import read_manifest
 from aotc.layout import compiled_forms
 from aotc.models import hf as hf_path
-from aotc.models.base import load_model
-from aotc.models.registry import modeling_of
+from aotc.models.loader import load_model, modeling_of
 from aotc.runtime import Bundle, check_generation, generate
 from aotc.runtime.check import error
 from aotc.trace import trace
@@ -483,8 +482,8 @@ def test_a_llama_bundle_runs_without_transformers_and_a_generic_one_imports_its_
     neither imports the tracer, the passes or the build."""
     script = (
         "import sys\n"
-        "from aotc.models.base import load_model\n"
-        "from aotc.models.registry import modeling_of\n"
+        "from aotc.models.loader import load_model\n"
+        "from aotc.models.loader import modeling_of\n"
         "from aotc.runtime import Bundle, generate\n"
         "b = Bundle.load(sys.argv[1])\n"
         "loaded = load_model(b.manifest.model.source, modeling=modeling_of(b.manifest.model.architecture))\n"

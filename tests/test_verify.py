@@ -17,7 +17,7 @@ from aotc.build import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import BundleError
 from aotc.format import artifact_dir
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.verify import verify

@@ -15,7 +15,7 @@ from aotc.backends.base import DeviceBuffer, Weights
 from aotc.backends.xla import XlaBackend, dropped_overloads, import_torchax
 from aotc.build import BuildOptions, build
 from aotc.cli import app
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.resident import buffers

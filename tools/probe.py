@@ -170,7 +170,7 @@ import sys, shutil, torch
 from pathlib import Path
 from aotc.backends.export import ExportBackend
 from aotc.runtime import Bundle
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 bundle, other = Path(sys.argv[1]), Path(sys.argv[2])
 signature, swapped = ExportBackend.signature, []
 def swap_then_sign(self, art_dir):  # the moment after the hash check: a watcher of the folder swaps the file

@@ -28,18 +28,15 @@ imported. A plugin module (`--plugin`) may register one of its own.
 from __future__ import annotations
 
 import abc
-import importlib
-import importlib.util
-import pkgutil
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from ..errors import BackendError, did_you_mean
+from ..errors import BackendError
 from ..format import ArtifactRecord, TensorSpec
+from .registry import get_backend_class
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -357,40 +354,6 @@ class Backend(abc.ABC):
         Returns the artifacts completed; `manifest` is updated in place for the caller to write.
         """
         return []
-
-
-_BACKENDS: dict[str, type[Backend]] = {}
-
-
-def register_backend(cls: type[Backend]) -> type[Backend]:
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-def registered_backends() -> dict[str, type[Backend]]:
-    """The backends imported so far, by name."""
-    return dict(_BACKENDS)
-
-
-def find_backend(name: str) -> type[Backend] | None:
-    """The backend registered as `name`: aotc's own is imported from its file on first use."""
-    if name not in _BACKENDS and re.fullmatch(r"[a-z][a-z0-9_]*", name) and importlib.util.find_spec(f"{__package__}.{name}") is not None:
-        importlib.import_module(f"{__package__}.{name}")
-    return _BACKENDS.get(name)
-
-
-def backend_names() -> list[str]:
-    """Every backend: aotc's own files, and those plugins registered."""
-    for module in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
-        find_backend(module.name)
-    return sorted(_BACKENDS)
-
-
-def get_backend_class(name: str) -> type[Backend]:
-    found = find_backend(name)
-    if found is None:
-        raise BackendError(f"unknown backend {name!r}; {did_you_mean(name, backend_names())}")
-    return found
 
 
 def parallel_jobs(tasks: int, gb_per_job: int) -> int:

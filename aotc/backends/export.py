@@ -23,8 +23,9 @@ import torch
 
 from .. import heap
 from ..format import ArtifactRecord, write_atomic
-from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks
 from .export_archive import WEIGHTS_MEMBER, read_archive
+from .registry import register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram

@@ -27,7 +27,8 @@ import torch
 from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
 from ..parallel import settled
-from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks, register_backend
+from .base import HOST, Backend, CompileResult, Program, Specs, Step, Weights, joined_ranks
+from .registry import register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram

@@ -29,7 +29,8 @@ import torch
 from ..errors import AotcError, BackendError, BundleError
 from ..format import ArtifactRecord, sha256_file
 from . import xla
-from .base import Attempted, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, joined_ranks, parallel_jobs, register_backend
+from .base import Attempted, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, joined_ranks, parallel_jobs
+from .registry import register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import BackendError, BundleError
 from ..format import ArtifactRecord
-from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, joined_ranks, one_device, register_backend
+from .base import HOST, Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Specs, Step, Weights, joined_ranks, one_device
+from .registry import get_backend_class, register_backend
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -630,7 +631,6 @@ class XlaBackend(Backend):
 
     def bisector(self) -> Bisector:
         # The HLO compiler an xla bundle is bisected with: neuronx-cc at its defaults
-        # (aotc bisect --compiler runs another with the same argv).
-        from .neuron import HloBisector, NeuronOptions
-
-        return HloBisector(NeuronOptions())
+        # (aotc bisect --compiler runs another with the same argv). Found by name, as a
+        # bundle's backend is: neuron is built on xla and imports it, not the other way.
+        return get_backend_class("neuron")().bisector()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import parallel
 from ..backends import Backend, Progress
-from ..backends.base import get_backend_class
+from ..backends.registry import get_backend_class
 from ..cache import LocalCache
 from ..cache.keys import build_key as _build_key
 from ..cache.keys import recipe_key
@@ -26,7 +26,7 @@ from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, recipe_file, save_recipe
 from ..errors import AotcError, BundleError
 from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, crossed_weights, read_manifest, write_manifest
-from ..models.base import load_model, memory_shortfall
+from ..models.loader import load_model, memory_shortfall
 from ..trace import Variant
 from .assemble import assemble_manifest, model_record
 from .key import KeyedGraph, key_graphs

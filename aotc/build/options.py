@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backends import Backend
-from ..backends.base import backend_names, get_backend_class, parallel_jobs
+from ..backends.base import parallel_jobs
+from ..backends.registry import backend_names, get_backend_class
 from ..errors import AotcError
 from ..format import DEFAULT_ARTIFACTS, HubRecord, KvCacheRecord
 from ..kvcache import kv_cache_record
-from ..models.registry import MODELING, modeling_of
+from ..models.loader import MODELING, modeling_of
 from ..parallel import flag, record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
@@ -95,7 +96,7 @@ class BuildOptions:
     plugins: tuple[str, ...] = ()  # modules that register architectures (--plugin)
     hub: HubRecord | None = None  # the Hub id model_dir was resolved from (aotc.models.hub)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: packed fp8 caches (aotc.kvcache)
-    # Whose code runs the model (models.registry.resolve): auto, aotc's own, or transformers'.
+    # Whose code runs the model (models.loader.resolve): auto, aotc's own, or transformers'.
     modeling: str = "auto"
     # Ranks the graphs are split across (aotc.parallel): one SPMD graph per artifact for all.
     tensor_parallel: int = 1

@@ -14,7 +14,7 @@ from .. import parallel
 from ..backends import Backend
 from ..errors import AotcError
 from ..layout import graph_weights
-from ..models.base import LoadedModel, load_model, parse_config, weight_shard
+from ..models.loader import LoadedModel, load_model, parse_config, weight_shard
 from ..plugins import load_plugins
 from ..trace import Shapes, Variant, find_variants
 from .options import DEFAULT_MAX_SEQ, BuildOptions

@@ -22,10 +22,9 @@ from .. import quant
 from ..errors import ConfigError
 from ..format import temp_folder, write_atomic
 from ..quant import FP8_BLOCK
-from .base import checkpoint_names, checkpoint_tensors, parse_config
 from .checkpoint import scale_names
 from .corpus import CORPUS
-from .registry import get_architecture
+from .loader import checkpoint_names, checkpoint_tensors, get_architecture, parse_config
 
 DEFAULT_ARCH = "llama"
 DEFAULT_LAYERS = 4

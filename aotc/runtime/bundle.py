@@ -26,8 +26,8 @@ from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, crossed_weights, read_manifest
 from ..kvcache import Regions
 from ..layout import TRANSFORMS, Stored, keep_stored, stored_at
-from ..models.base import LoadedModel, weight_shard
 from ..models.config import ConfigReader
+from ..models.loader import LoadedModel, weight_shard
 from ..parallel import data_parallel, flag
 from ..plugins import load_plugins
 from ..scratch import own_folder, temp_error
@@ -156,13 +156,13 @@ class Bundle:
                 )
 
     def model_args(self, rank: int | None = 0, *, eager: bool = False) -> dict:
-        """What models.base.load_model takes, besides the model folder, to build the model
+        """What models.loader.load_model takes, besides the model folder, to build the model
         this bundle runs: `load_model(folder, **bundle.model_args())`. Its caches' dtype,
         whose modeling code runs it, and the stored form (aotc.quant) of each weight its
         graphs take. rank: whose part of a parallel bundle (its layout and this rank);
         None: the whole model, as eager runs it. eager=True: every low-precision weight
         dequantized as well, for a model that also runs eagerly (aotc run --check, aotc verify)."""
-        from ..models.registry import modeling_of
+        from ..models.loader import modeling_of
 
         model = self.manifest.model
         args = dict(stored=True if eager else self.stored_params(), kv_cache=model.kv_cache, modeling=modeling_of(model.architecture))

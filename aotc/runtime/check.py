@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import get_backend_class
-from ..models.base import CausalLM, full_precision, reference_model
+from ..backends.registry import get_backend_class
+from ..models.base import CausalLM
+from ..models.loader import full_precision, reference_model
 from .generate import Generation, generate
 
 # fp32 logits differ by about 1e-4 between row counts; times the backend's own factor

@@ -31,16 +31,19 @@ import queue
 import struct
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
 from ..errors import AotcError
 from ..parallel import settled
+from .completion import Completion, Prompt, TokenEvent, token_events
 from .engine import Engine, Request
 from .sampling import SamplingParams
-from .session import Completion, Prompt, Session, TokenEvent, token_events
 from .threads import ThreadGovernor
+
+if TYPE_CHECKING:  # a Service is opened by Session.service(): session imports service, not back
+    from .session import Session
 
 _END = object()  # a handle's last event: its request ended (or the engine failed)
 HEARTBEAT = 1.0  # s: an idle rank 0 plans an empty step this often, well within the process group's timeout

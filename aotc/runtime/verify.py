@@ -15,7 +15,7 @@ to the bucket, the padding rows writing the scratch slot.
 Compared under the fidelity rule (runtime.check): for a float32 model, within
 the fp32 tolerance of eager (|compiled - eager| <= tol + tol * |eager|); for a
 lower-precision one, against the same call by the model's float32 twin
-(models.base.reference_model; inputs upcast, packed fp8 caches read back to
+(models.loader.reference_model; inputs upcast, packed fp8 caches read back to
 float32 rows), within max(2 x eager's error, tol):
   * the outputs (max absolute and relative difference reported);
   * each cache: where eager wrote, which is what its write ops touched (`Writes`:
@@ -48,9 +48,8 @@ from ..errors import AotcError, BundleError
 from ..format import Manifest, read_manifest
 from ..kvcache import Fp8Rows, Regions
 from ..layout import CompiledForm, Stored, compiled_forms, keep_stored
-from ..models.base import full_precision, load_model, memory_shortfall, reference_model
 from ..models.config import ConfigReader
-from ..models.registry import get_architecture
+from ..models.loader import full_precision, get_architecture, load_model, memory_shortfall, reference_model
 from ..parallel import flag
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from common import BUCKETS, Run, copy_bandwidth, gemm_peak, print_misses, section, table
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle
 from sections.decode import decode_times
 

@@ -19,7 +19,7 @@ _WHOLE = r"""
 import sys, time, json, torch
 sys.path.insert(0, sys.argv[1])
 from gptfast import from_aotc
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 mode, model_dir, out, backend = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 t0 = time.perf_counter()
 model = from_aotc(load_model(model_dir).model)

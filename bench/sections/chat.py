@@ -20,7 +20,7 @@ from smollm2 import smollm2
 
 from aotc.build.options import DEFAULT_CHUNK_BUCKETS
 from aotc.chat import render_user_turn
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
 
 # Each 38 tokens in SmolLM2's chat template (its system turn included).

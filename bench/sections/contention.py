@@ -17,7 +17,7 @@ CONTENTION_TOKENS, CONTENTION_TARGET = 200, 1 / 3
 # A fresh process per measurement: its thread count and OpenMP pool start clean.
 _PROBE = """
 import json, statistics, sys, torch
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
 bundle, model_dir, new, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 b = Bundle.load(bundle)

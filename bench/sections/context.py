@@ -9,7 +9,7 @@ import torch
 from common import MAX_SEQ, Run, print_misses, section, table, timeit
 from gptfast import from_aotc
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 
 CONTEXT_MAX_SEQ, CONTEXT_POSITIONS = 4096, (128, 4000)

@@ -7,7 +7,7 @@ import torch
 from common import BUCKETS, MAX_SEQ, POSITION, Run, section, table, timeit
 from gptfast import from_aotc
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from common import Run, print_misses, section, table
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
 from aotc.runtime.engine import Engine
 

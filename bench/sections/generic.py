@@ -12,7 +12,7 @@ import time
 import torch
 from common import M100, Run, console, section, table, timeit, transformers_decode_step, transformers_model
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 
 BATCHES = (1, 4)

@@ -9,7 +9,7 @@ import torch
 from common import Run, section, table, timeit
 
 from aotc import kvcache as kv
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
 
 KV_MAX_SEQ, KV_POSITION, KV_TOKENS = 4096, 4000, 200  # max_seq 1024, position 1000 under --quick

@@ -12,7 +12,7 @@ import sys
 import torch
 from common import M100, MAX_SEQ, POSITION, Run, section, table, timeit
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 from aotc.runtime.bundle import bound_weights
@@ -26,7 +26,7 @@ FORMATS = {
 # `aotc run`'s loading, in a fresh process: bundle, model as bind needs it, bind, a step; then RSS.
 _LOAD_RSS = r"""
 import sys, torch
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle
 bundle, model_dir, stored = sys.argv[1], sys.argv[2], sys.argv[3]
 if bundle != "floor":

@@ -23,7 +23,7 @@ def memory(run: Run) -> dict:
     cmds = {
         "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--no-cache", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(run.root / "mem-bundle")],
         "floor: python + import torch, aotc": [sys.executable, "-c", "import torch, aotc.build"],
-        "eager model, weights in memory": [sys.executable, "-c", f"from aotc.models.base import load_model; m = load_model({str(model_dir)!r}).model; [p.sum() for p in m.parameters()]"],
+        "eager model, weights in memory": [sys.executable, "-c", f"from aotc.models.loader import load_model; m = load_model({str(model_dir)!r}).model; [p.sum() for p in m.parameters()]"],
     }  # fmt: skip
     rows = []
     for label, cmd in cmds.items():

@@ -15,7 +15,7 @@ from common import Run, console, copy_bandwidth, section, table, timeit, transfo
 
 from aotc.build import BuildOptions
 from aotc.build.plan import make_plan
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 from aotc.trace import trace
 

@@ -17,7 +17,7 @@ import sys
 from common import MAX_SEQ, Run, section, table
 
 from aotc import parallel
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle
 

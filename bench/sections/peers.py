@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from smollm2 import smollm2
 
 from aotc.chat import render_user_turn
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.quantize import quantize_model
 from aotc.runtime import Bundle, generate
 from sections.lowp import read_by_graphs

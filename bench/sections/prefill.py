@@ -10,7 +10,7 @@ import torch
 from common import Run, gemm_peak, print_misses, section, table, timeit
 from gptfast import from_aotc
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 
 PREFILL_PROMPT, PREFILL_MAX_SEQ, PREFILL_TARGET = 715, 1024, 0.8

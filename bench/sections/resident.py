@@ -11,7 +11,7 @@ import math
 import torch
 from common import MAX_SEQ, POSITION, Run, print_misses, section, table, timeit
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 
 RESIDENT_MAX_SEQ, RESIDENT_STEPS = 4096, 32  # max_seq 1024 under --quick

@@ -35,7 +35,7 @@ from smollm2 import smollm2
 
 from aotc import Session
 from aotc.format import read_manifest
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
 from sections.engine import Ask, _ms
 

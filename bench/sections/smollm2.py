@@ -14,7 +14,7 @@ from common import Run, section, table
 from smollm2 import smollm2
 
 from aotc.chat import render_user_turn
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.runtime import Bundle, check_generation, generate
 
 PROMPTS = (

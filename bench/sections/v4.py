@@ -11,7 +11,7 @@ import time
 import torch
 from common import Run, console, copy_bandwidth, section, table, timeit
 
-from aotc.models.base import load_model
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, tolerance_for
 

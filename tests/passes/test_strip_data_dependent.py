@@ -12,7 +12,8 @@ from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
 from aotc.errors import TraceError
 from aotc.layout import TRANSFORMS, graph_weights, stored_of, weights_of
-from aotc.models.base import fake_tensor_mode, load_model
+from aotc.models.base import fake_tensor_mode
+from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.passes import needs_static, pipeline_for
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears
