@@ -86,7 +86,12 @@ class RowLayout:
 def layer_views(cache) -> list:
     """cache[i] for each layer i (a tensor's slices, or Regions), made once per cache and
     kept on it: a decode step hands every layer its slice, and indexing anew would make
-    two tensors per layer and step."""
+    two tensors per layer and step.
+
+    The list is a memo of the cache's own views, not state (without it every result is
+    the same, only slower), and it is kept on the cache because it must live exactly as
+    long as the cache: a WeakKeyDictionary by cache would keep each cache alive through
+    its views, which hold their base."""
     views = getattr(cache, "_aotc_layers", None)
     if views is None:
         # A tensor, a device's allocations (runtime.resident.DeviceCaches), or Regions of either.

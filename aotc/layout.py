@@ -89,7 +89,11 @@ class Stored:
 # weight, named after it, so that model.to() moves them with it (and state_dict leaves
 # them out: the checkpoint names them itself); their format is a plain attribute of it.
 PARTS = ("values", "scale")
-_FORMS = "aotc_stored_forms"  # owner.__dict__[_FORMS]: {leaf: (format, fp8_reading)}
+# owner.__dict__[_FORMS]: {leaf: (format, fp8_reading)}. The owner is any module (an
+# nn.Linear, transformers' own), whose class aotc does not define, so the form cannot be a
+# declared field of it; it is written and read here only, and goes where the module goes
+# (deepcopy, the twin reference_model makes), as its buffers do.
+_FORMS = "aotc_stored_forms"
 
 
 def part_buffer(leaf: str, part: str) -> str:

@@ -8,6 +8,7 @@ unchanged whether the entries are eager or bound to a bundle.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Collection
 
@@ -87,15 +88,19 @@ class CausalLM(nn.Module):
         their partial outputs across ranks in its entry methods."""
         return None
 
-    def shard_of(self, param: str) -> ShardSpec | None:
-        """How this rank takes parameter `param` from the checkpoint; None: whole."""
+    @functools.cached_property
+    def shard_plan(self) -> dict[str, ShardSpec] | None:
+        """This model's plan at its degree, made once: shard_specs for --tensor-parallel,
+        expert_specs for --expert-parallel; None on one rank."""
         layout = self.config.parallel
         if layout.world_size == 1:
             return None
-        if "_shard_specs" not in self.__dict__:
-            plan = type(self).shard_specs if layout.tensor_parallel > 1 else type(self).expert_specs
-            self.__dict__["_shard_specs"] = plan(self.config, layout.world_size)
-        return parallel.spec_of(self._shard_specs, param)
+        plan = type(self).shard_specs if layout.tensor_parallel > 1 else type(self).expert_specs
+        return plan(self.config, layout.world_size)
+
+    def shard_of(self, param: str) -> ShardSpec | None:
+        """How this rank takes parameter `param` from the checkpoint; None: whole."""
+        return None if self.shard_plan is None else parallel.spec_of(self.shard_plan, param)
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (not in checkpoints) after weights were loaded."""
@@ -146,11 +151,15 @@ class CausalLM(nn.Module):
     def batch_slots(self, n: int, device: torch.device | str) -> torch.Tensor:
         """[n]: the cache slots 0..n-1 of a decode batch, made once per size and device
         (every step passes them; compiled graphs never write an activation)."""
-        made = self.__dict__.setdefault("_batch_slots", {})
         key = (n, str(device))
-        if key not in made:
-            made[key] = torch.arange(n, device=device)
-        return made[key]
+        if key not in self.batch_slot_tensors:
+            self.batch_slot_tensors[key] = torch.arange(n, device=device)
+        return self.batch_slot_tensors[key]
+
+    @functools.cached_property
+    def batch_slot_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
+        """batch_slots' tensors, by size and device."""
+        return {}
 
     def prefill(self, ids: torch.Tensor, slot: int, caches: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
         """ids: [n] tokens at positions start..start+n-1 of the sequence in `slot`

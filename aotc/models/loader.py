@@ -288,7 +288,7 @@ def _scale_shard(model: CausalLM, param: str, form: StoredInfo, checkpoint: Chec
     if form.format == "fp4" and spec.kind == "split" or scaled is None:
         degree = model.config.parallel.tensor_parallel
         specs_at = functools.partial(type(model).shard_specs, model.config)
-        pattern = next(k for k, v in model._shard_specs.items() if v is spec)
+        pattern = next(k for k, v in model.shard_plan.items() if v is spec)
 
         def keeps_blocks(d: int) -> bool:
             s = specs_at(d)[pattern]

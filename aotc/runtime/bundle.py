@@ -212,7 +212,9 @@ class Bundle:
                 setattr(model.get_submodule(path), entry.method, Dispatcher(entry, steps, device, memo))
         if device.resident:
             model.allocate_caches = DeviceAllocator(model, device)
-        # Every entry the model has must run compiled: nothing falls back to eager unseen.
+        # Every entry the model has must run compiled: nothing falls back to eager unseen. A bound
+        # entry is the instance's own attribute (the Dispatcher set above, over the class's
+        # method), so the instance's __dict__ is where Python keeps it, not a side channel.
         unbound = [f"{path or type(m).__name__}.{method}" for path, m in model.named_modules() for method in entries_of(type(m)) if not isinstance(vars(m).get(method), Dispatcher)]
         if unbound:
             Bundle.unbind(model)

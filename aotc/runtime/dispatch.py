@@ -268,6 +268,7 @@ class Dispatcher:
                     f"another shape; the graph takes the whole layer cache, {list(shape)}, allocated for this bundle"
                 )
             return cache
+        # A memo of this cache's own views, kept on it (kvcache.layer_views says why), not state.
         views = getattr(cache, "_aotc_first", None)
         if views is not None and shape in views:
             return views[shape]
