@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from aotc.build import BuildOptions, build, build_keys
-from aotc.cli import DEFAULT_PROMPTS, app
+from aotc.cli import app
+from aotc.cli.run import DEFAULT_PROMPTS
 
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
 

@@ -242,10 +242,10 @@ def test_a_batch_on_a_terminal_is_a_live_view_with_a_line_per_sequence(small_bun
 
     from rich.console import Console
 
-    from aotc import cli
+    from aotc.cli import run
 
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=screen, force_terminal=True, width=200))
+    monkeypatch.setattr(run, "console", Console(file=screen, force_terminal=True, width=200))
     report = run_json(small_bundle, "--prompt", "Hello", "--prompt", "What is the capital of France?", "--max-new-tokens", 6)
     r = runner.invoke(app, ["run", str(small_bundle), "--prompt", "Hello", "--prompt", "What is the capital of France?", "--max-new-tokens", "6"])
     assert r.exit_code == 0, r.output

@@ -8,7 +8,8 @@ import shutil
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from aotc.cli import _Stream, app
+from aotc.cli import app
+from aotc.cli.run import _Stream
 from aotc.runtime.completion import token_events
 from aotc.runtime.generate import Sequence
 

@@ -93,7 +93,7 @@ _.until
 _.finish_reason
 _.token_id
 
-# aotc run's rank entry point, named as "aotc.cli:run_rank" to runtime/launch.py, which
+# aotc run's rank entry point, named as "aotc.cli.run:run_rank" to runtime/launch.py, which
 # imports it by name in each rank's process.
 _.run_rank
 _.serve_rank  # aotc serve's, the same way

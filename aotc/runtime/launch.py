@@ -6,8 +6,8 @@ process of its own (`python -m aotc.runtime.launch CALL`) with the environment
 torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). So a rank started here and one started by torchrun
 take one path: the function opens its Session (aotc.Session), which joins the
-launch. `aotc run` passes its own command (aotc.cli:run_rank); `aotc serve` its own
-(aotc.cli:serve_rank), with SIGTERM forwarded to rank 0, whose drain ends the
+launch. `aotc run` passes its own command (aotc.cli.run:run_rank); `aotc serve` its own
+(aotc.cli.serve:serve_rank), with SIGTERM forwarded to rank 0, whose drain ends the
 launch. Rank 0 writes to this terminal; the others' output is kept, and shown
 when that rank fails.
 
