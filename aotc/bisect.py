@@ -72,7 +72,7 @@ def bisect(
 ) -> BisectResult:  # fmt: skip
     """`context`: the artifact's context bucket (None: the entry's smallest)."""
     from .backends import Backend, Specs, backend_names, get_backend_class
-    from .build.key import retrace
+    from .builder.key import retrace
     from .passes.base import source_line
 
     bundle = Path(bundle)

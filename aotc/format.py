@@ -29,7 +29,7 @@ Records are designed for what comes next:
   * a weight input may be derived from checkpoint tensors by a named
     transform (`transform`, `sources`; aotc.layout), applied at bind;
   * a weight the checkpoint stores in low precision is two inputs, its values
-    and its scales (`stored`; aotc.quant), and says how the target reads fp8
+    and its scales (`stored`; aotc.lowp_weights), and says how the target reads fp8
     bytes (trn2: as IEEE e4m3, so bind rescales them; aotc.fp8);
   * a cache whose rows pack regions of different dtypes (an fp8 KV cache:
     values, scales, bf16 dims; aotc.kvcache) lists its regions' byte ranges;
@@ -72,7 +72,7 @@ DEFAULT_ARTIFACTS = Path("artifacts")
 BucketKind = Literal["batch", "chunk"]
 # Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
 TransformName = Literal["stack"]
-StoredFormat = Literal["fp8", "fp4", "int8"]  # aotc.quant
+StoredFormat = Literal["fp8", "fp4", "int8"]  # aotc.lowp_weights
 StoredPart = Literal["values", "scale"]
 Fp8Reading = Literal["e4m3fn", "e4m3"]  # how the target reads float8_e4m3fn bytes (aotc.fp8)
 Form = Literal["static", "unbacked"]

@@ -31,7 +31,7 @@ views of the result, so memory is not doubled and eager code keeps reading the
 checkpoint's names. Transforms are a fixed set of named functions: a bundle
 names one, it never carries code.
 
-A weight that the checkpoint stores in low precision (aotc.quant: fp8 with
+A weight that the checkpoint stores in low precision (aotc.lowp_weights: fp8 with
 block scales, packed fp4) enters the graphs as stored: two inputs, its values
 and its scales, which the graph dequantizes next to their use. The loader
 keeps each such weight's `Stored` tensors as buffers of the module that owns
@@ -52,7 +52,7 @@ from torch import nn
 
 from .errors import TraceError
 from .format import Fp8Reading, StoredFormat, StoredSpec, TransformName, WeightSpec
-from .quant import dequantize
+from .lowp_weights import dequantize
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Derived:
 
 @dataclass(frozen=True)
 class Stored:
-    """A parameter as the checkpoint stores it (aotc.quant)."""
+    """A parameter as the checkpoint stores it (aotc.lowp_weights)."""
 
     format: StoredFormat
     values: torch.Tensor  # float8_e4m3fn, or packed fp4 as uint8

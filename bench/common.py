@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.format import read_manifest
 from aotc.models.tiny import write_tiny
 

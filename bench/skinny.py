@@ -12,12 +12,12 @@ All 16 share x, so Inductor reads them in one loop, an accumulator per weight
 and row.
 
 Then the same weights at 1 row stored as fp8 with a scale per 128 x 128 block
-(aotc.quant): decoded by the fp8 -> float32 conversion (what the export and
+(aotc.lowp_weights): decoded by the fp8 -> float32 conversion (what the export and
 xla graphs run), and in integer arithmetic (what aotc/passes/decode_fp8_bits.py makes
 of that conversion on the CPU), against fp32. Bytes per second count the bytes
 stored (1 per fp8 weight, 4 per fp32 one).
 
-Then the same weights stored as int8 with a scale per 32 inputs (aotc.quant,
+Then the same weights stored as int8 with a scale per 32 inputs (aotc.lowp_weights,
 Q8_0's grid) at 1, 2, 4 and 8 rows, activations in fp32: dequantized inside
 rewrite_skinny_linears' mul+sum, as aotc's CPU graphs run them, and the same
 with the weights laid out in 16-row panels [N/16, K, 16] summed over their
@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE))
 
 from common import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
 
-from aotc import quant  # noqa: E402
+from aotc import lowp_weights  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.passes import rewrite_skinny_linears  # noqa: E402
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears  # noqa: E402
@@ -88,7 +88,7 @@ def rewritten_form(x, weights):
 
 
 def fp8_converted(x, stored):
-    return [(quant.dequantize("fp8", q, s, torch.float32) * x).sum(-1)[None] for q, s in stored]
+    return [(lowp_weights.dequantize("fp8", q, s, torch.float32) * x).sum(-1)[None] for q, s in stored]
 
 
 def _bits(q):
@@ -100,11 +100,11 @@ def _bits(q):
 
 
 def fp8_bits(x, stored):
-    return [((_bits(q) * quant._expand(quant.scale_factors(s), *q.shape, quant.FP8_BLOCK)) * x).sum(-1)[None] for q, s in stored]
+    return [((_bits(q) * lowp_weights._expand(lowp_weights.scale_factors(s), *q.shape, lowp_weights.FP8_BLOCK)) * x).sum(-1)[None] for q, s in stored]
 
 
 def bench_fp8(weights, g) -> list[dict]:
-    stored = [quant.quantize_fp8_blocks(w) for w in weights]
+    stored = [lowp_weights.quantize_fp8_blocks(w) for w in weights]
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     fp8_bytes = sum(q.numel() + s.numel() * 4 for q, s in stored)
     x = torch.randn(1, weights[0].shape[1], generator=g)
@@ -133,13 +133,13 @@ class Int8Linears(torch.nn.Module):
     def __init__(self, weights):
         super().__init__()
         for i, w in enumerate(weights):
-            values, scale = quant.quantize_int8(w)
+            values, scale = lowp_weights.quantize_int8(w)
             self.register_buffer(f"v{i}", values)
             self.register_buffer(f"s{i}", scale)
         self.n = len(weights)
 
     def forward(self, x):
-        return [F.linear(x, quant.dequantize("int8", getattr(self, f"v{i}"), getattr(self, f"s{i}"), x.dtype)) for i in range(self.n)]
+        return [F.linear(x, lowp_weights.dequantize("int8", getattr(self, f"v{i}"), getattr(self, f"s{i}"), x.dtype)) for i in range(self.n)]
 
 
 PANEL = 16
@@ -152,7 +152,7 @@ class Int8Panels(torch.nn.Module):
     def __init__(self, weights):
         super().__init__()
         for i, w in enumerate(weights):
-            values, scale = quant.quantize_int8(w)
+            values, scale = lowp_weights.quantize_int8(w)
             lay = lambda t: t.reshape(t.shape[0] // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
             self.register_buffer(f"v{i}", lay(values))
             self.register_buffer(f"s{i}", lay(scale))
@@ -170,7 +170,7 @@ class Int8Panels(torch.nn.Module):
 
 def bench_int8(weights, g) -> list[dict]:
     fp32_bytes = sum(w.numel() * 4 for w in weights)
-    int8_bytes = sum(w.numel() + w.numel() // quant.INT8_BLOCK[1] * 4 for w in weights)
+    int8_bytes = sum(w.numel() + w.numel() // lowp_weights.INT8_BLOCK[1] * 4 for w in weights)
     forms = {  # (module, the pass aotc runs on it, or None, bytes stored)
         "fp32, mul + sum": (Linears(weights).requires_grad_(False), RewriteSkinnyLinears, fp32_bytes),
         "int8, mul + sum (aotc)": (Int8Linears(weights), RewriteSkinnyLinears, int8_bytes),
@@ -216,7 +216,7 @@ class Apart(torch.nn.Module):
         m = self.module
         if isinstance(m, Linears):
             return [F.linear(x, w) for x, w in zip(xs, m.weights)]
-        return [F.linear(x, quant.dequantize("int8", getattr(m, f"v{i}"), getattr(m, f"s{i}"), x.dtype)) for i, x in enumerate(xs)]
+        return [F.linear(x, lowp_weights.dequantize("int8", getattr(m, f"v{i}"), getattr(m, f"s{i}"), x.dtype)) for i, x in enumerate(xs)]
 
 
 def bench_stripes(weights, g) -> list[dict]:
@@ -224,7 +224,7 @@ def bench_stripes(weights, g) -> list[dict]:
     rows, 2 at 8), each its own accumulator and stream, against one stripe, on weights that
     each have a loop of their own."""
     forms = {"fp32": (Linears(weights).requires_grad_(False), sum(w.numel() * 4 for w in weights)),
-             "int8": (Int8Linears(weights), sum(w.numel() + w.numel() // quant.INT8_BLOCK[1] * 4 for w in weights))}  # fmt: skip
+             "int8": (Int8Linears(weights), sum(w.numel() + w.numel() // lowp_weights.INT8_BLOCK[1] * 4 for w in weights))}  # fmt: skip
     rows = []
     for m in (1, 2, 4, 8):
         xs = tuple(torch.randn(m, weights[0].shape[1], generator=g) for _ in weights)

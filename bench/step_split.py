@@ -29,10 +29,10 @@ sys.path.insert(0, str(HERE))
 from common import console, table, timeit  # noqa: E402
 from smollm2 import smollm2  # noqa: E402
 
-from aotc.build import BuildOptions, build  # noqa: E402
+from aotc.builder import BuildOptions, build  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
-from aotc.quantize import quantize_model  # noqa: E402
+from aotc.quantize_checkpoint import quantize_model  # noqa: E402
 from aotc.runtime import Bundle, generate  # noqa: E402
 from aotc.runtime.bundle import bound_weights  # noqa: E402
 

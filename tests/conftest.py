@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aotc.backends.base import Step
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.models.tiny import write_tiny
 
 # xdist's workers share the machine's cores: each runs torch (and the processes its tests

@@ -522,14 +522,14 @@ CASES = [
         changes=OUT,
     ),
     # -- interrupt: Ctrl-C (and SIGTERM, which stops the same way) at each stage ------------
-    Case("interrupt-while-tracing", "interrupt", lambda e: build(e), "is as it was before this build", code=130, patch=lambda mp: mp.setattr("aotc.build.key.trace", _interrupt)),
+    Case("interrupt-while-tracing", "interrupt", lambda e: build(e), "is as it was before this build", code=130, patch=lambda mp: mp.setattr("aotc.builder.key.trace", _interrupt)),
     Case(
         "interrupt-while-compiling",
         "interrupt",
         lambda e: build(e),
         "is as it was before this build",
         code=130,
-        patch=lambda mp: mp.setattr("aotc.build.obtain.compile_graph", _interrupt),
+        patch=lambda mp: mp.setattr("aotc.builder.obtain.compile_graph", _interrupt),
     ),
     Case(
         "interrupt-while-writing-the-manifest",
@@ -537,7 +537,7 @@ CASES = [
         lambda e: build(e),
         "is as it was before this build",
         code=130,
-        patch=lambda mp: mp.setattr("aotc.build.write_manifest", _interrupt),
+        patch=lambda mp: mp.setattr("aotc.builder.write_manifest", _interrupt),
     ),
     Case(
         "interrupt-replacing-a-bundle",
@@ -545,7 +545,7 @@ CASES = [
         lambda e: [BUILD[0], e.model, *BUILD[1:], "-o", e.bundle],
         "is as it was before this build",
         code=130,
-        patch=lambda mp: mp.setattr("aotc.build.write_manifest", _interrupt),
+        patch=lambda mp: mp.setattr("aotc.builder.write_manifest", _interrupt),
     ),
     Case("cache-record-leads-outside", "cache", lambda e: _record_outside(e), "compiled again", code=0, changes=OUT + ("cache",)),
     # -- tampering ---------------------------------------------------------------------------
@@ -628,8 +628,8 @@ def _link_outside(env: Env, name: str) -> Env:
 def _stored_bundle(env: Env, change) -> Env:
     """The case's model quantized to fp8 and an export bundle of it, then `change` applied
     to each of its stored weight records."""
-    from aotc.build import BuildOptions
-    from aotc.build import build as do_build
+    from aotc.builder import BuildOptions
+    from aotc.builder import build as do_build
     from aotc.models.tiny import write_tiny
 
     write_tiny(env.model, layers=2, quantize="fp8", force=True)
@@ -696,8 +696,8 @@ def tree(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def templates(tiny_dir, tmp_path_factory):
-    from aotc.build import BuildOptions
-    from aotc.build import build as do_build
+    from aotc.builder import BuildOptions
+    from aotc.builder import build as do_build
 
     root = tmp_path_factory.mktemp("corpus")
     bundle = do_build(BuildOptions(tiny_dir, out=root / "bundle", batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, backend="export", use_cache=False)).out

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from aotc.backends import neuron
 from aotc.bisect import bisect
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import AotcError
 from aotc.format import read_manifest

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from aotc.backends.export import ExportBackend
 from aotc.backends.inductor import InductorBackend
-from aotc.build import BuildOptions, build, build_keys
+from aotc.builder import BuildOptions, build, build_keys
 from aotc.cache import CacheError, LocalCache
 from aotc.cli import app
 from aotc.errors import AotcError
@@ -315,7 +315,7 @@ def test_remote_that_is_down_never_fails_the_build(tiny_dir, tmp_path, monkeypat
 @pytest.fixture(autouse=True)
 def fresh_remote_clients():
     """A build keeps one remote client per URL for its process; tests must not share them."""
-    from aotc.build.obtain import remote_client
+    from aotc.builder.obtain import remote_client
 
     remote_client.cache_clear()
     yield
@@ -417,7 +417,7 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
 
 def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path, monkeypatch):
     """The key stage traces every (variant, bucket) once; nothing after it traces or keys again."""
-    import aotc.build.key as key_stage
+    import aotc.builder.key as key_stage
 
     cache = tmp_path / "cache"
     first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.errors import AotcError, BundleError
 from aotc.format import read_manifest
 from aotc.models.loader import load_model

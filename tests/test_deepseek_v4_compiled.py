@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from aotc.backends.inductor import InductorBackend
 from aotc.backends.xla import XlaBackend
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, compare, generate, tolerance_for
@@ -222,7 +222,7 @@ def test_v4_other_configs(tmp_path, backend):
 
 def test_v4_context_buckets_are_whole_compression_windows(v4_dir, tmp_path):
     """A context bucket must hold whole windows of both compress rates (4 and 16 here)."""
-    from aotc.build.plan import make_plan
+    from aotc.builder.plan import make_plan
     from aotc.errors import AotcError
 
     with pytest.raises(AotcError, match=r"--context-buckets: 40 is not a cache length DeepseekV4ForCausalLM can take; the nearest above is 48. Give multiples of 16"):

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from aotc import parallel
-from aotc.build import BuildOptions, build
-from aotc.build.key import key_graphs
-from aotc.build.plan import make_plan
+from aotc.builder import BuildOptions, build
+from aotc.builder.key import key_graphs
+from aotc.builder.plan import make_plan
 from aotc.errors import AotcError
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny

@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.format import artifact_dir
 from aotc.models.tiny import write_tiny

@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import save_file
 
 from aotc import parallel
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.errors import AotcError
 from aotc.format import ShardSpec
 from aotc.models.loader import load_model

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from aotc.backends import inductor
 from aotc.backends.inductor import PORTABLE_FLAGS, InductorBackend, compiled_isa, cpu_target
-from aotc.build import BuildOptions, build, default_backend
+from aotc.builder import BuildOptions, build, default_backend
 from aotc.cli import app
 from aotc.errors import BundleError
 from aotc.models.loader import load_model
@@ -253,7 +253,7 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
     # `python -X importtime` lists every module the command imported, nested ones included.
     imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:") and "|" in line}
     assert {"aotc", "aotc.runtime.session", "torch"} <= imported
-    assert not {m for m in imported if m.split(".")[0] in ("jax", "torchax") or m.startswith(("aotc.trace", "aotc.passes", "aotc.build", "torch._dynamo"))}, sorted(imported)
+    assert not {m for m in imported if m.split(".")[0] in ("jax", "torchax") or m.startswith(("aotc.trace", "aotc.passes", "aotc.builder", "torch._dynamo"))}, sorted(imported)
     script = (
         "import sys\n"
         "from aotc.models.loader import load_model\n"
@@ -262,7 +262,7 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
         "loaded = load_model(b.manifest.model.source)\n"
         "b.bind(loaded.model)\n"
         "generate(loaded.model, [[1, 2, 3]], 4, max_batch=1, max_seq=b.max_seq, slots=b.cache_slots)\n"
-        "print(sorted(m for m in ('aotc.trace', 'aotc.passes', 'aotc.build', 'torch._dynamo', 'torch._inductor.codegen', 'jax', 'torchax') if m in sys.modules))\n"
+        "print(sorted(m for m in ('aotc.trace', 'aotc.passes', 'aotc.builder', 'torch._dynamo', 'torch._inductor.codegen', 'jax', 'torchax') if m in sys.modules))\n"
     )
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aotc.build import BuildOptions
-from aotc.build.plan import resolve
+from aotc.builder import BuildOptions
+from aotc.builder.plan import resolve
 from aotc.cache import keys
 from aotc.cache.keys import build_key, cache_key, recipe_key
 

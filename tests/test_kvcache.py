@@ -9,7 +9,7 @@ from torch import nn
 
 from aotc.backends import get_backend_class
 from aotc.backends.inductor import InductorBackend
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.errors import AotcError, BundleError, ConfigError, TraceError
 from aotc.format import KvCacheRecord
 from aotc.kvcache import E4M3_CACHE_MAX, Fp8Rows, dequantize_groups, quantize_groups
@@ -366,7 +366,7 @@ def test_cli_builds_runs_and_shows_an_fp8_cache_bundle(fp8_bundle, tiny_dir, tmp
 def test_the_cache_dtype_is_part_of_the_build_recipe_key(tiny_dir, tmp_path):
     """A warm rebuild from the compile cache must not serve a full-precision build's
     recipe to an fp8 one (the graphs' own keys differ anyway: their ops do)."""
-    from aotc.build.plan import resolve
+    from aotc.builder.plan import resolve
     from aotc.cache.keys import recipe_key
 
     keys = set()

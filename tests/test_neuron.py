@@ -25,7 +25,7 @@ import aotc
 from aotc import fp8
 from aotc.backends import neuron
 from aotc.backends.neuron import FP8_FLAG, NeuronBackend, NeuronOptions, compiler_command, has_fp8
-from aotc.build import BuildOptions, build, resume
+from aotc.builder import BuildOptions, build, resume
 from aotc.cli import app
 from aotc.errors import AotcError, BackendError, BundleError
 from aotc.format import read_manifest
@@ -213,7 +213,7 @@ def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_pat
     from the options the manifest records (aotc bisect), each decode artifact of its two
     context buckets has that artifact's own cache key; a manifest that says other options
     (full-precision caches) re-traces another graph, which is refused."""
-    from aotc.build.key import retrace
+    from aotc.builder.key import retrace
     from aotc.models.loader import load_model
 
     options = dict(OPTIONS, batch_buckets=(1,))  # one batch bucket: the cache graphs are decode's and prefill's at each context bucket
@@ -256,7 +256,7 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
     import ml_dtypes
     import numpy as np
 
-    from aotc import quant
+    from aotc import lowp_weights
     from aotc.layout import stored_of
     from aotc.models.loader import load_model
     from aotc.models.tiny import write_tiny
@@ -288,10 +288,10 @@ def test_trn2_fp8_bundle_flag_and_rescaled_weights(tmp_path, stand_in, monkeypat
             assert torch.equal(scale, before.scale + 1)  # E8M0: the exponent byte + 1, a doubled scale
             as_e4m3 = torch.from_numpy(t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3).astype(np.float32))
             assert as_e4m3.abs().max() <= 224 < 240  # e4m3fn's 448, halved: within trn2's range
-            trn2 = quant.dequantize("fp8", as_e4m3.to(torch.float8_e4m3fn), scale, torch.float32)  # e4m3 values, doubled scales
-            want = quant.dequantize("fp8", before.values, before.scale, torch.float32)
+            trn2 = lowp_weights.dequantize("fp8", as_e4m3.to(torch.float8_e4m3fn), scale, torch.float32)  # e4m3 values, doubled scales
+            want = lowp_weights.dequantize("fp8", before.values, before.scale, torch.float32)
             rows, cols = want.shape
-            step = quant._expand(quant.scale_factors(before.scale), rows, cols, quant.FP8_BLOCK)
+            step = lowp_weights._expand(lowp_weights.scale_factors(before.scale), rows, cols, lowp_weights.FP8_BLOCK)
             inexact = torch.from_numpy(~fp8.HALVE_EXACT[before.values.view(torch.uint8).numpy()])
             torch.testing.assert_close(trn2[~inexact], want[~inexact], rtol=0, atol=0)
             # The 16 subnormal bytes: v/2 rounded by at most 2**-10, times the doubled scale

@@ -17,9 +17,9 @@ import torch
 
 from aotc import SamplingParams, parallel
 from aotc.backends.xla import XlaBackend
-from aotc.build import BuildOptions, build
-from aotc.build.key import key_graphs
-from aotc.build.plan import make_plan
+from aotc.builder import BuildOptions, build
+from aotc.builder.key import key_graphs
+from aotc.builder.plan import make_plan
 from aotc.errors import AotcError, BundleError
 from aotc.format import ShardSpec, read_manifest
 from aotc.models.loader import load_model
@@ -686,9 +686,9 @@ from aotc import parallel
 from aotc.backends.base import Specs
 from aotc.backends.neuron import named_hlo
 from aotc.backends.xla import lower
-from aotc.build import BuildOptions
-from aotc.build.key import key_graphs
-from aotc.build.plan import make_plan
+from aotc.builder import BuildOptions
+from aotc.builder.key import key_graphs
+from aotc.builder.plan import make_plan
 options = BuildOptions(Path(sys.argv[1]), out=Path("unused"), batch_buckets=(1,), chunk_buckets=(16,), max_seq=128, backend="xla", tensor_parallel=2, use_cache=False)
 with parallel.tracing(options.layout, rank=int(sys.argv[2])):
     plan = make_plan(options)
@@ -709,7 +709,7 @@ def simulated_neuron_build(options: BuildOptions, folder: Path):
     host's environment for the processes that run it: its cores shared by the ranks, and
     one nrtpy log per rank (nrt.log.rank<r>)."""
     from aotc.backends import neuron
-    from aotc.build import resume
+    from aotc.builder import resume
 
     (folder / "host").mkdir()
     env = {

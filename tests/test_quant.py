@@ -1,4 +1,4 @@
-"""Low-precision checkpoint weights (aotc.quant): fp8 with block scales and packed fp4
+"""Low-precision checkpoint weights (aotc.lowp_weights): fp8 with block scales and packed fp4
 stay as stored in the graphs, are dequantized there, and generate exactly what eager
 generates with the same weights dequantized at load."""
 
@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from aotc import fp8, quant
-from aotc.build import BuildOptions, build
+from aotc import fp8, lowp_weights
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import BundleError, ConfigError, WeightsError
 from aotc.layout import stored_of
@@ -44,7 +44,7 @@ def test_dequantize_fp8_every_byte(scale):
     q = all_fp8_bytes()
     factor = 0.375 if scale.dtype == torch.float32 else 2.0**3  # E8M0 130 is 2**(130 - 127)
     expected = q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32) * factor
-    np.testing.assert_array_equal(quant.dequantize("fp8", q, scale, torch.float32).numpy(), expected)
+    np.testing.assert_array_equal(lowp_weights.dequantize("fp8", q, scale, torch.float32).numpy(), expected)
 
 
 def test_dequantize_fp4_every_byte_low_nibble_first():
@@ -52,24 +52,24 @@ def test_dequantize_fp4_every_byte_low_nibble_first():
     scale = torch.full((8, 2), 126, dtype=torch.uint8)  # 2**-1
     nibbles = np.stack([packed.numpy() & 15, packed.numpy() >> 4], axis=-1).reshape(8, 64)
     expected = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * 0.5  # ml_dtypes reads the low 4 bits
-    np.testing.assert_array_equal(quant.dequantize("fp4", packed, scale, torch.float32).numpy(), expected)
+    np.testing.assert_array_equal(lowp_weights.dequantize("fp4", packed, scale, torch.float32).numpy(), expected)
 
 
 def test_quantizers_clamp_and_round_trip():
     w = torch.randn(200, 96, generator=torch.Generator().manual_seed(0))
     w[3, 5] = 1e4  # an outlier: its block's scale grows, no value turns NaN
     for e8m0 in (False, True):
-        q, s = quant.quantize_fp8_blocks(w, e8m0)
+        q, s = lowp_weights.quantize_fp8_blocks(w, e8m0)
         assert q.dtype == torch.float8_e4m3fn and tuple(s.shape) == (2, 1)
         assert q.float().abs().max() <= fp8.E4M3FN_MAX and not q.float().isnan().any()
-        back = quant.dequantize("fp8", q, s, torch.float32)
+        back = lowp_weights.dequantize("fp8", q, s, torch.float32)
         # 3 mantissa bits: within 2**-4 of each block's own max (the outlier's block aside,
         # the rest keep their fine scale)
         block_max = torch.stack([w[:128].abs().max(), w[128:].abs().max()]).repeat_interleave(torch.tensor([128, 72]))[:, None]
         assert ((back - w).abs() <= 2**-4 * block_max).all()
-    q, s = quant.quantize_fp4(w)
+    q, s = lowp_weights.quantize_fp4(w)
     assert q.shape == (200, 48) and s.shape == (200, 3) and s.dtype == torch.uint8
-    back = quant.dequantize("fp4", q, s, torch.float32)
+    back = lowp_weights.dequantize("fp4", q, s, torch.float32)
     rows = w.abs().reshape(200, 3, 32).amax(-1).repeat_interleave(32, -1)
     # The widest e2m1 step is 4 -> 6: an error of at most 1 scale, and a scale is under a third of the block's max.
     assert ((back - w).abs() <= rows / 3 + 1e-6).all()
@@ -140,7 +140,7 @@ def test_load_keeps_stored_forms(models):
     layer = both.model.layers[0]
     stored = stored_of(layer)["mlp.up_proj.weight"]
     assert stored.values.dtype == torch.float8_e4m3fn and stored.scale.dtype == torch.float32
-    assert torch.equal(layer.mlp.up_proj.weight, quant.dequantize("fp8", stored.values, stored.scale, torch.float32))
+    assert torch.equal(layer.mlp.up_proj.weight, lowp_weights.dequantize("fp8", stored.values, stored.scale, torch.float32))
     # Only the graphs read these: they are not dequantized (one NaN element, expanded).
     only = load_model(models["llama"], stored={"model.layers.0.mlp.up_proj.weight"}).model
     w = only.model.layers[0].mlp.up_proj.weight
@@ -232,13 +232,13 @@ def test_dequantize_int8_every_value_and_a_partial_group():
     scale = torch.tensor([[0.5, 3.0], [0.25, -1.0]])
     expected = values.float() * torch.tensor([[0.5] * 32 + [3.0] * 8, [0.25] * 32 + [-1.0] * 8])
     for stored in (values, values.view(torch.uint8)):
-        torch.testing.assert_close(quant.dequantize("int8", stored, scale, torch.float32), expected, rtol=0, atol=0)
+        torch.testing.assert_close(lowp_weights.dequantize("int8", stored, scale, torch.float32), expected, rtol=0, atol=0)
     g = torch.Generator().manual_seed(0)
     wide = torch.randint(-127, 128, (64, 688), generator=g, dtype=torch.int8).view(torch.uint8)
     scales = torch.rand(64, 22, generator=g)
-    compiled = torch.compile(lambda v, s: quant.dequantize("int8", v, s, torch.float32), backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(wide, scales), quant.dequantize("int8", wide, scales, torch.float32), rtol=0, atol=0)
-    v, s = quant.quantize_int8(torch.tensor([[1.0, -2.0, 0.5] + [0.0] * 29 + [7.0]]))
+    compiled = torch.compile(lambda v, s: lowp_weights.dequantize("int8", v, s, torch.float32), backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(wide, scales), lowp_weights.dequantize("int8", wide, scales, torch.float32), rtol=0, atol=0)
+    v, s = lowp_weights.quantize_int8(torch.tensor([[1.0, -2.0, 0.5] + [0.0] * 29 + [7.0]]))
     assert v.tolist() == [[64, -127, 32] + [0] * 29 + [127]] and s.shape == (1, 2)  # 63.5 rounds to even: 64
 
 
@@ -255,7 +255,7 @@ def test_a_checkpoint_that_mixes_layer_formats_builds_a_variant_per_format(model
     for name in [n for n in tensors if n.startswith("model.layers.1.") and n.endswith("_scale_inv")]:
         weight = name.removesuffix("_scale_inv")
         if second == "plain":
-            tensors[weight] = quant.dequantize("fp8", tensors[weight], tensors.pop(name), torch.float32)
+            tensors[weight] = lowp_weights.dequantize("fp8", tensors[weight], tensors.pop(name), torch.float32)
         else:  # the scales' exponents only: powers of two as E8M0 bytes
             tensors[name] = (torch.exp2(torch.log2(tensors[name]).round()).log2() + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     save_file(tensors, mixed / "model.safetensors", metadata={"format": "pt"})

@@ -1,4 +1,4 @@
-"""`aotc quantize` (aotc.quantize): low-precision checkpoints from full-precision folders,
+"""`aotc quantize` (aotc.quantize_checkpoint): low-precision checkpoints from full-precision folders,
 read back by aotc's loader, and its bad inputs."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from aotc import quant
-from aotc.build import BuildOptions, build
+from aotc import lowp_weights
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import ConfigError, WeightsError
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
-from aotc.quantize import quantize_model
+from aotc.quantize_checkpoint import quantize_model
 from aotc.runtime import Bundle, generate
 
 runner = CliRunner()
@@ -64,8 +64,8 @@ def test_the_loader_reads_back_each_weight_as_its_dequantized_source(tmp_path):
     src_params, q_params = dict(src.named_parameters()), dict(q.named_parameters())
     for name, p in src_params.items():
         if name.endswith("_proj.weight") and ".layers." in name:
-            values, scale = quant.quantize_fp8_blocks(p.detach())
-            torch.testing.assert_close(q_params[name], quant.dequantize("fp8", values, scale, p.dtype), rtol=0, atol=0)
+            values, scale = lowp_weights.quantize_fp8_blocks(p.detach())
+            torch.testing.assert_close(q_params[name], lowp_weights.dequantize("fp8", values, scale, p.dtype), rtol=0, atol=0)
             assert not torch.equal(q_params[name], p)
         else:
             assert torch.equal(q_params[name], p), name
@@ -221,7 +221,7 @@ def raw(t: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("arch, fmt", [("llama", "fp8"), ("deepseek_v4", "fp4-experts"), ("llama", "int8")])
 def test_the_quantized_bytes_are_the_formats_own_computed_apart_from_aotc(tmp_path, arch, fmt):
     """Every quantized tensor's values and scales, byte for byte, against the formats
-    computed in this test from the source weights (numpy, ml_dtypes), not by aotc.quant;
+    computed in this test from the source weights (numpy, ml_dtypes), not by aotc.lowp_weights;
     the sizes it reports; the linears it leaves unquantized, by transformers' module names;
     files readable where the umask lets others read (a folder made for it, parents too)."""
     import os
@@ -300,7 +300,7 @@ def test_a_bad_config_a_nan_weight_a_full_disk_and_sigterm_leave_nothing_and_say
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("aotc.quantize.save_file", full)
+    monkeypatch.setattr("aotc.quantize_checkpoint.save_file", full)
     r = runner.invoke(app, ["quantize", str(source), "-o", str(out / "q")])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and "No space left on device" in said and "the disk is full" in said, said
@@ -320,7 +320,7 @@ def test_what_a_killed_quantize_left_is_swept_and_a_destination_changed_meanwhil
     """A SIGKILL mid-write leaves `.q.tmp-*` beside the destination: the next quantize to it
     removes it. A destination that someone fills while the weights are written is no disk
     error: the message says what happened, and the temporary folder goes."""
-    import aotc.quantize as quantize
+    import aotc.quantize_checkpoint as quantize
 
     source = write_tiny(tmp_path / "src", layers=1)
     out = tmp_path / "out"

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build, build_keys
+from aotc.builder import BuildOptions, build, build_keys
 from aotc.cli import app
 from aotc.cli.run import DEFAULT_PROMPTS
 
@@ -55,7 +55,7 @@ def test_jobs_default_is_bounded_by_cores_memory_work_and_load(monkeypatch):
     from aotc.backends.export import ExportBackend
     from aotc.backends.inductor import InductorBackend
     from aotc.backends.neuron import NeuronBackend
-    from aotc.build.options import default_jobs
+    from aotc.builder.options import default_jobs
 
     pages = {"SC_PAGE_SIZE": 1 << 12, "SC_AVPHYS_PAGES": (20 << 30) >> 12}  # 20 GB free
     monkeypatch.setattr("os.sysconf", lambda name: pages[name])
@@ -104,7 +104,7 @@ def test_remote_downloads_are_checked_before_they_enter_the_cache(tiny_dir, tmp_
     moto_server = pytest.importorskip("moto.server", reason="moto[server] provides the local S3 server (test extra)")
     import boto3
 
-    from aotc.build.obtain import remote_client
+    from aotc.builder.obtain import remote_client
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

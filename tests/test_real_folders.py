@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.chat import render_user_turn
 from aotc.cli import app
 from aotc.models.generation import generation_defaults

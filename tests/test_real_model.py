@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.format import read_manifest
 from aotc.runtime.verify import verify

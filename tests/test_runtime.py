@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.errors import AotcError, BundleError
 from aotc.format import FORMAT_VERSION
 from aotc.models.loader import load_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cache import LocalCache
 from aotc.cli import app
 from aotc.errors import AotcError, BundleError, ConfigError

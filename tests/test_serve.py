@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from aotc import SamplingParams, Session
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 
 KEY = "sk-test-aotc"
 NAME = "tiny"

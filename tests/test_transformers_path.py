@@ -23,8 +23,8 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from aotc.build import BuildOptions, build
-from aotc.build.plan import make_plan
+from aotc.builder import BuildOptions, build
+from aotc.builder.plan import make_plan
 from aotc.cli import app
 from aotc.errors import AotcError, ConfigError
 from aotc.format import read_manifest
@@ -386,7 +386,7 @@ def test_per_expert_tensors_are_merged_and_a_missing_one_is_named(tmp_path):
 def test_cache_keys_carry_transformers_version_and_modeling_source(tmp_path, monkeypatch):
     model_dir = save("olmo2", tmp_path / "model")
     options = dict(out=tmp_path / "o", batch_buckets=(1,), chunk_buckets=(CHUNK,), max_seq=64, backend="export")
-    from aotc.build.key import key_graphs
+    from aotc.builder.key import key_graphs
 
     plan = make_plan(BuildOptions(model_dir, **options))
     before = [k.key for k in key_graphs(plan, plan.tasks)]
@@ -490,7 +490,7 @@ def test_a_llama_bundle_runs_without_transformers_and_a_generic_one_imports_its_
         "b.bind(loaded.model)\n"
         "generate(loaded.model, [[1, 2, 3]], 4, max_batch=1, max_seq=b.max_seq, slots=b.cache_slots)\n"
         "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m and not m.startswith('transformers.models.auto')))\n"
-        "print(sorted(m for m in ('aotc.trace', 'aotc.passes', 'aotc.build') if m in sys.modules))\n"
+        "print(sorted(m for m in ('aotc.trace', 'aotc.passes', 'aotc.builder') if m in sys.modules))\n"
     )
     r = subprocess.run([sys.executable, "-c", script, str(tiny_bundle.out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import aotc
 from aotc.backends.neuron import lint
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import BundleError
 from aotc.format import artifact_dir

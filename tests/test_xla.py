@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from aotc.backends.base import DeviceBuffer, Weights
 from aotc.backends.xla import XlaBackend, dropped_overloads, import_torchax
-from aotc.build import BuildOptions, build
+from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny

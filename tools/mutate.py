@@ -73,7 +73,7 @@ TARGETS = {
         "tests/test_parallel.py::test_two_local_ranks_generate_the_unsharded_eager_tokens",
         "tests/test_parallel.py::test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_them",
     ],
-    "aotc/quantize.py": ["tests/test_quantize.py"],
+    "aotc/quantize_checkpoint.py": ["tests/test_quantize.py"],
     "aotc/passes/split_dtype_regions.py": ["tests/test_kvcache.py"],
 }
 

@@ -485,12 +485,12 @@ MIXED = """
 import sys, torch
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-from aotc import quant
+from aotc import lowp_weights
 m = Path(sys.argv[1]) / "model.safetensors"
 t = load_file(m)
 for name in [n for n in t if n.startswith("model.layers.1.") and n.endswith("_scale_inv")]:
     w = name.removesuffix("_scale_inv")
-    t[w] = quant.dequantize("fp8", t[w], t.pop(name), torch.float32)
+    t[w] = lowp_weights.dequantize("fp8", t[w], t.pop(name), torch.float32)
 save_file(t, m, metadata={"format": "pt"})
 """
 

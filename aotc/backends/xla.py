@@ -131,7 +131,7 @@ def _fix_nonzero_static() -> None:
 
 def _fix_view_dtype() -> None:
     """torchax 0.0.13 registers one lowering for every aten.view overload, a reshape,
-    so view.dtype (a bitcast: how aotc.quant turns E8M0 scale bytes into floats,
+    so view.dtype (a bitcast: how aotc.lowp_weights turns E8M0 scale bytes into floats,
     exactly) fails on the dtype as a shape. The overload gets its own entry, a
     bitcast. Remove when torchax lowers view.dtype."""
     import dataclasses

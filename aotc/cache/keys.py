@@ -25,7 +25,7 @@ from ..format import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from ..backends import Backend
-    from ..build.options import BuildOptions
+    from ..builder.options import BuildOptions
     from ..trace import TracedGraph
 
 

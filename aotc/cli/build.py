@@ -71,8 +71,8 @@ def build(
 ):
     """Trace and compile every entry of a model once per bucket into a bundle."""
     from ..backends import get_backend_class
-    from ..build import build as run_build
-    from ..build import parse_shard
+    from ..builder import build as run_build
+    from ..builder import parse_shard
 
     _stop_on_sigterm()
 
@@ -183,7 +183,7 @@ def build(
 
 
 def _resume(bundle: Path, jobs: Optional[int]) -> None:
-    from ..build import resume
+    from ..builder import resume
 
     try:
         done = resume(bundle, jobs)

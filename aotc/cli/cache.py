@@ -58,7 +58,7 @@ def cache_key_command(
 ):
     """Print one key for a whole build, without compiling (a CI cache key): the same
     arguments as aotc build, so that a CI job's key step and build step take one."""
-    from ..build import build_key
+    from ..builder import build_key
     from ..models.hub import resolve_model
 
     try:

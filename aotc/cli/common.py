@@ -66,7 +66,7 @@ PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a mode
 
 
 def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, **more):
-    from ..build import BuildOptions, parse_buckets, parse_flags
+    from ..builder import BuildOptions, parse_buckets, parse_flags
 
     options = BuildOptions(
         model_dir,

@@ -33,7 +33,7 @@ def init_tiny(
     plugin: list[str] = PLUGIN,
 ):
     """Write a small random model in the Hugging Face layout (the defaults make the embedded default model)."""
-    from ..build import parse_flags
+    from ..builder import parse_flags
     from ..models.tiny import write_tiny
     from ..plugins import load_plugins
 

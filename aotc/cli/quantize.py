@@ -31,7 +31,7 @@ def quantize(
     """Write a low-precision checkpoint of a model folder, in the formats aotc builds from (see docs/low-precision.md)."""
     from ..models.hub import resolve_model
     from ..plugins import load_plugins
-    from ..quantize import quantize_model
+    from ..quantize_checkpoint import quantize_model
 
     _stop_on_sigterm()  # SIGTERM mid-write: the temporary folder is removed as for Ctrl-C
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .. import quant
+from .. import lowp_weights
 from ..errors import WeightsError
 from .config import model_file
 
@@ -176,7 +176,7 @@ class Merged:
 
 @dataclass(frozen=True)
 class StoredInfo:
-    """A weight the checkpoint stores in low precision (aotc.quant)."""
+    """A weight the checkpoint stores in low precision (aotc.lowp_weights)."""
 
     format: str  # "fp8" | "fp4" | "int8"
     values: str  # checkpoint tensor names
@@ -198,7 +198,7 @@ def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> St
     per 32. The values' and the scales' shapes are checked against `shape`."""
     info = checkpoint.info(name)
     scale = next((s for s in scale_names(name) if s in checkpoint.tensors), None)
-    packed_shape = quant.stored_shape("fp4", shape)
+    packed_shape = lowp_weights.stored_shape("fp4", shape)
     if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         if info.dtype == torch.float8_e5m2:
             raise WeightsError(f"{info.file}: {name!r} is float8_e5m2; aotc reads fp8 weights as float8_e4m3fn (F8_E4M3) with block scales")
@@ -215,10 +215,10 @@ def stored_form(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> St
         raise WeightsError(f"{info.file}: {fmt} tensor {name!r} has no {' or '.join(map(repr, scale_names(name)))}; low-precision weights need their block scales")
     if fmt == "fp8":
         checkpoint.check(name, shape)
-    expected = quant.scale_shape(fmt, shape)
+    expected = lowp_weights.scale_shape(fmt, shape)
     scale_info = checkpoint.info(scale)
     if scale_info.shape != expected:
-        block = "x".join(map(str, quant.BLOCKS[fmt]))
+        block = "x".join(map(str, lowp_weights.BLOCKS[fmt]))
         raise WeightsError(f"{scale_info.file}: {scale!r} has shape {list(scale_info.shape)}, expected {list(expected)} (one scale per {block} block of {list(shape)})")
     if scale_info.dtype not in (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8):
         raise WeightsError(f"{scale_info.file}: {scale!r} is {scale_info.dtype}; block scales are F32, BF16 or E8M0 (F8_E8M0 or U8 exponents)")

@@ -20,7 +20,7 @@ from typing import Callable, Container
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import parallel, quant
+from .. import lowp_weights, parallel
 from ..errors import ConfigError, WeightsError, did_you_mean
 from ..format import KvCacheRecord, ParallelRecord, ShardSpec
 from ..layout import Stored, keep_stored, stored_at
@@ -178,7 +178,7 @@ def _check_quantization(config: dict, source: Path) -> None:
     if not isinstance(q, dict):
         raise ConfigError(f"{source}: field 'quantization_config' is {type(q).__name__}; expected an object")
     fmt = "int8" if q.get("fmt") == "int8" else "fp8"
-    block, expected = q.get("weight_block_size"), quant.BLOCKS[fmt]
+    block, expected = q.get("weight_block_size"), lowp_weights.BLOCKS[fmt]
     if block is not None and block != list(expected):
         raise ConfigError(
             f"{source}: quantization_config.weight_block_size is {block!r}; aotc reads {fmt} weights with a scale per "
@@ -196,7 +196,7 @@ def load_model(
     is checked against them from its headers, without reading any value; the
     low-precision weights' stored forms are fake tensors too (aotc.layout).
 
-    Low-precision weights (aotc.quant) are dequantized to the model's dtype:
+    Low-precision weights (aotc.lowp_weights) are dequantized to the model's dtype:
     eager runs them so, the reference. `stored` keeps their checkpoint form as
     well, for compiled graphs: True for all (beside the dequantized ones); a
     set of parameter paths for those only, which are then not dequantized, so
@@ -227,7 +227,7 @@ def load_model(
                 scale = checkpoint.info(form.scale)
                 keep_stored(model, param, Stored(
                     form.format,
-                    torch.empty(quant.stored_shape(form.format, expected[param].shape), dtype=stored_dtype(values.dtype)),
+                    torch.empty(lowp_weights.stored_shape(form.format, expected[param].shape), dtype=stored_dtype(values.dtype)),
                     torch.empty(parallel.rank_shape(_scale_shard(model, param, form, checkpoint), scale.shape), dtype=stored_dtype(scale.dtype)),
                 ))  # fmt: skip
         return LoadedModel(model.eval(), arch, config, config_dict, model_dir)
@@ -283,7 +283,7 @@ def _scale_shard(model: CausalLM, param: str, form: StoredInfo, checkpoint: Chec
     spec = model.shard_of(param)
     if spec is None:
         return None
-    block = quant.BLOCKS[form.format]
+    block = lowp_weights.BLOCKS[form.format]
     scaled = parallel.scaled(spec, block[spec.dim]) if form.format == "fp8" and spec.kind == "split" else spec
     if form.format == "fp4" and spec.kind == "split" or scaled is None:
         degree = model.config.parallel.tensor_parallel
@@ -310,7 +310,7 @@ def weight_shard(model: CausalLM, param: str, stored) -> ShardSpec | None:
     spec = model.shard_of(param)
     if spec is None or stored is None or stored.part == "values" or spec.kind == "first":
         return spec
-    return parallel.scaled(spec, quant.BLOCKS[stored.format][spec.dim])
+    return parallel.scaled(spec, lowp_weights.BLOCKS[stored.format][spec.dim])
 
 
 def _check_checkpoint(model: CausalLM, checkpoint: Checkpoint, sources: dict) -> dict:
@@ -415,7 +415,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, stored: bool | Contai
                 # loudly if it does, at the cost of one element.
                 state[param] = torch.full((), float("nan"), dtype=p.dtype).expand(p.shape)
             else:
-                state[param] = quant.dequantize(form.format, values, scale, p.dtype)
+                state[param] = lowp_weights.dequantize(form.format, values, scale, p.dtype)
             continue
         source = sources[param]
         # dtype kinds checked from the headers
@@ -469,7 +469,7 @@ def reference_model(model: CausalLM) -> CausalLM:
     for name, t in checkpoint_tensors(model).items():
         stored = stored_at(model, name)
         if stored is not None:
-            state[name] = quant.dequantize(stored.format, stored.values, stored.scale, torch.float32)
+            state[name] = lowp_weights.dequantize(stored.format, stored.values, stored.scale, torch.float32)
         else:
             state[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
     _assign(twin, state, lambda param: f"{param} of the model")

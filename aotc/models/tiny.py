@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .. import quant
+from .. import lowp_weights
 from ..errors import ConfigError
 from ..format import temp_folder, write_atomic
-from ..quant import FP8_BLOCK
+from ..lowp_weights import FP8_BLOCK
 from .checkpoint import scale_names
 from .corpus import CORPUS
 from .loader import checkpoint_names, checkpoint_tensors, get_architecture, parse_config
@@ -111,7 +111,7 @@ def write_model(
         model.init_random(torch.Generator().manual_seed(seed), **({} if head_std is None else {"head_std": head_std}))
         tensors = _checkpoint(model, quantize, layout)
         if quantize != "none":
-            config = dict(config, quantization_config=dict(quant.INT8_CONFIG) if quantize == "int8" else {
+            config = dict(config, quantization_config=dict(lowp_weights.INT8_CONFIG) if quantize == "int8" else {
                 "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
                 **({"scale_fmt": "ue8m0"} if layout == "deepseek" else {}),
             })  # fmt: skip
@@ -130,7 +130,7 @@ def write_model(
 
 
 def _checkpoint(model, quantize: str, layout: str) -> dict[str, torch.Tensor]:
-    formats = {} if quantize == "none" else quant.layer_formats(model, quantize, "--quantize")
+    formats = {} if quantize == "none" else lowp_weights.layer_formats(model, quantize, "--quantize")
     out = {}
     for name, t in checkpoint_tensors(model).items():
         names = checkpoint_names(model, name)
@@ -139,7 +139,7 @@ def _checkpoint(model, quantize: str, layout: str) -> dict[str, torch.Tensor]:
         if fmt is None:
             out[ckpt_name] = t.detach().contiguous()
             continue
-        values, scale = quant.quantize(fmt, t.detach(), e8m0=layout == "deepseek" or fmt == "fp4")
+        values, scale = lowp_weights.quantize(fmt, t.detach(), e8m0=layout == "deepseek" or fmt == "fp4")
         if scale.dtype == torch.uint8:
             scale = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0, as published
         if fmt == "fp4" and layout == "deepseek":

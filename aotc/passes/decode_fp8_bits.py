@@ -1,6 +1,6 @@
 """Decode fp8 weights to float32 in integer arithmetic, where the CPU has no fp8 instructions.
 
-A stored fp8 weight (aotc.quant) is converted to float32 in the graph next to
+A stored fp8 weight (aotc.lowp_weights) is converted to float32 in the graph next to
 its use. Inductor's C++ converts each byte with a branchy scalar routine, which
 makes an fp8 matrix-vector product slower than the float32 one though it reads
 a quarter of the bytes. The same conversion in integer arithmetic vectorizes:

@@ -158,7 +158,7 @@ class Bundle:
     def model_args(self, rank: int | None = 0, *, eager: bool = False) -> dict:
         """What models.loader.load_model takes, besides the model folder, to build the model
         this bundle runs: `load_model(folder, **bundle.model_args())`. Its caches' dtype,
-        whose modeling code runs it, and the stored form (aotc.quant) of each weight its
+        whose modeling code runs it, and the stored form (aotc.lowp_weights) of each weight its
         graphs take. rank: whose part of a parallel bundle (its layout and this rank);
         None: the whole model, as eager runs it. eager=True: every low-precision weight
         dequantized as well, for a model that also runs eagerly (aotc run --check, aotc verify)."""
@@ -171,7 +171,7 @@ class Bundle:
         return args
 
     def stored_params(self) -> set[str]:
-        """The model parameters whose stored form (aotc.quant) the graphs take, by path:
+        """The model parameters whose stored form (aotc.lowp_weights) the graphs take, by path:
         load_model(stored=...) keeps these as the checkpoint has them."""
         return {
             f"{path}.{name}" if path else name

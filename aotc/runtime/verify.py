@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import quant
+from .. import lowp_weights
 from ..backends import Backend, get_backend_class
 from ..backends.base import DeviceBuffer
 from ..entry import entries_of
@@ -447,7 +447,7 @@ def _random_model(manifest: Manifest):
                         continue
                     done.add(full)
                     param = model.get_parameter(full)
-                    values, scale = quant.quantize(w.stored.format, param.detach(), e8m0=scale_dtypes[w.path] == "uint8")
+                    values, scale = lowp_weights.quantize(w.stored.format, param.detach(), e8m0=scale_dtypes[w.path] == "uint8")
                     keep_stored(model, full, Stored(w.stored.format, values, scale))
-                    param.data = quant.dequantize(w.stored.format, values, scale, param.dtype)
+                    param.data = lowp_weights.dequantize(w.stored.format, values, scale, param.dtype)
     return model

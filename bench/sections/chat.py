@@ -18,7 +18,7 @@ import torch
 from common import Run, gemm_peak, print_misses, section, table
 from smollm2 import smollm2
 
-from aotc.build.options import DEFAULT_CHUNK_BUCKETS
+from aotc.builder.options import DEFAULT_CHUNK_BUCKETS
 from aotc.chat import render_user_turn
 from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate

@@ -22,7 +22,7 @@ def memory(run: Run) -> dict:
     weights = (model_dir / "model.safetensors").stat().st_size
     cmds = {
         "aotc build (weight-free)": [sys.executable, "-m", "aotc.cli", "build", str(model_dir), "--backend", "export", "--no-cache", "--buckets", "1", "--prefill-chunk", "128", "--max-seq", str(MAX_SEQ), "-o", str(run.root / "mem-bundle")],
-        "floor: python + import torch, aotc": [sys.executable, "-c", "import torch, aotc.build"],
+        "floor: python + import torch, aotc": [sys.executable, "-c", "import torch, aotc.builder"],
         "eager model, weights in memory": [sys.executable, "-c", f"from aotc.models.loader import load_model; m = load_model({str(model_dir)!r}).model; [p.sum() for p in m.parameters()]"],
     }  # fmt: skip
     rows = []

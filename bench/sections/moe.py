@@ -13,8 +13,8 @@ import math
 import torch
 from common import Run, console, copy_bandwidth, section, table, timeit, transformers_decode_step, transformers_model
 
-from aotc.build import BuildOptions
-from aotc.build.plan import make_plan
+from aotc.builder import BuildOptions
+from aotc.builder.plan import make_plan
 from aotc.models.loader import load_model
 from aotc.runtime import Bundle, tolerance_for
 from aotc.trace import trace

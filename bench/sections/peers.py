@@ -31,7 +31,7 @@ from smollm2 import smollm2
 
 from aotc.chat import render_user_turn
 from aotc.models.loader import load_model
-from aotc.quantize import quantize_model
+from aotc.quantize_checkpoint import quantize_model
 from aotc.runtime import Bundle, generate
 from sections.lowp import read_by_graphs
 

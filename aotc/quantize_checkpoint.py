@@ -1,6 +1,6 @@
 """`aotc quantize`: a low-precision checkpoint from a bf16 or fp32 model folder.
 
-It writes the formats aotc already reads (aotc.quant), in the Hugging Face layout
+It writes the formats aotc already reads (aotc.lowp_weights), in the Hugging Face layout
 (`<name>_scale_inv` beside each quantized weight, `quantization_config` in
 config.json), as llama.cpp's `llama-quantize` writes a GGUF:
 
@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from . import quant
+from . import lowp_weights
 from .cache.local import writer_locks
 from .errors import ConfigError, WeightsError
 from .format import temp_folder, umask, writers_turn
@@ -108,10 +108,10 @@ def _write(checkpoint: Checkpoint, plan: "_Plan", source: Path, out: Path, confi
         _copy_files(source, tmp)
         # transformers' FineGrainedFP8 reads every linear not in modules_to_not_convert as quantized
         if fmt == "int8":
-            config["quantization_config"] = {**quant.INT8_CONFIG, "modules_to_not_convert": sorted(plan.not_converted)}
+            config["quantization_config"] = {**lowp_weights.INT8_CONFIG, "modules_to_not_convert": sorted(plan.not_converted)}
         else:
             config["quantization_config"] = {
-                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(quant.FP8_BLOCK),
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(lowp_weights.FP8_BLOCK),
                 "modules_to_not_convert": sorted(plan.not_converted),
             }  # fmt: skip
         if fmt == "fp4-experts":
@@ -162,7 +162,7 @@ def _plan(model, checkpoint: Checkpoint, fmt: str, head: str) -> _Plan:
     sources = checkpoint_sources(model, checkpoint)
     tied = model.tied_parameters()
     head_param = next((p for p, _ in model.named_parameters(remove_duplicate=False) if set(checkpoint_names(model, p)) & set(HEAD_NAMES)), None)
-    by_param = quant.layer_formats(model, fmt, "--format")
+    by_param = lowp_weights.layer_formats(model, fmt, "--format")
     merged = [param for param in by_param if isinstance(sources[param], Merged)]
     if merged:  # the loader reads low-precision experts fused only
         raise WeightsError(
@@ -228,7 +228,7 @@ def _write_shards(checkpoint: Checkpoint, plan: _Plan, tmp: Path, result: Quanti
                             f"{file}: tensor {name!r} holds {tensor[tuple(at)].item()} at {at}; a block scale made from it would "
                             "lose every value of its block. Fix or re-export the checkpoint"
                         )
-                    values, scale = quant.quantize(fmt, tensor, e8m0=fmt == "fp4")
+                    values, scale = lowp_weights.quantize(fmt, tensor, e8m0=fmt == "fp4")
                     if scale.dtype == torch.uint8:
                         scale = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0, as published
                     tensors[made_name], tensors[f"{made_name}_scale_inv"] = values, scale
