@@ -47,6 +47,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -508,6 +509,7 @@ _LAYER_KINDS = {
 }  # fmt: skip
 # The attention masks transformers builds that aotc's attention reproduces by position.
 _MASKS = ("create_causal_mask", "create_sliding_window_causal_mask")
+_LEARNING = threading.Lock()  # _learn's patch of transformers' globals (see there)
 
 
 @dataclass(frozen=True)
@@ -815,43 +817,51 @@ def _learn(hf: nn.Module, layers: list[nn.Module], config: TransformersConfig) -
     from transformers.integrations.moe import ExpertsInterface
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(ATTENTION, attention)
-    # No value is computed: the experts' output has its input's shape (and `nonzero` has
-    # no meta kernel).
-    ExpertsInterface.register(EXPERTS, lambda module, hidden_states, *_: torch.zeros_like(hidden_states))
-    # The masks the model builds: transformers builds none for aotc's attention, which
-    # masks by position, so any other than causal and sliding would be lost.
-    modeling = inspect.getmodule(type(hf))
-    creators = {n: f for n, f in vars(modeling).items() if n.startswith("create_") and getattr(f, "__module__", None) == "transformers.masking_utils"}
-    masks: list[tuple[str, list[str]]] = []
+    # transformers takes the attention and experts functions from its global registries, by
+    # the name in the config, and the mask builders from the modeling module's globals: no
+    # hook per model or per call. So the recorder's stand-ins replace aotc's own in them for
+    # this one meta forward and are put back after it, under _LEARNING, so that two
+    # learnings in one process never interleave (a transformers model run meanwhile by
+    # code other than aotc's, in another thread, would still see them). Remove the lock when
+    # transformers takes these functions per model or per call.
+    with _LEARNING:
+        AttentionInterface.register(ATTENTION, attention)
+        # No value is computed: the experts' output has its input's shape (and `nonzero` has
+        # no meta kernel).
+        ExpertsInterface.register(EXPERTS, lambda module, hidden_states, *_: torch.zeros_like(hidden_states))
+        # The masks the model builds: transformers builds none for aotc's attention, which
+        # masks by position, so any other than causal and sliding would be lost.
+        modeling = inspect.getmodule(type(hf))
+        creators = {n: f for n, f in vars(modeling).items() if n.startswith("create_") and getattr(f, "__module__", None) == "transformers.masking_utils"}
+        masks: list[tuple[str, list[str]]] = []
 
-    def recording(name, create):
-        def record(*args, **kwargs):
-            masks.append((name, [k for k in ("or_mask_function", "and_mask_function") if kwargs.get(k) is not None]))
-            return create(*args, **kwargs)
+        def recording(name, create):
+            def record(*args, **kwargs):
+                masks.append((name, [k for k in ("or_mask_function", "and_mask_function") if kwargs.get(k) is not None]))
+                return create(*args, **kwargs)
 
-        return record
+            return record
 
-    for name, create in creators.items():
-        setattr(modeling, name, recording(name, create))
-    try:
-        ids = torch.zeros(1, 2, dtype=torch.long)
-        with torch.no_grad():
-            hf(input_ids=ids, position_ids=torch.arange(2)[None], **{cache_param: recorder}, use_cache=True, aotc_positions=torch.arange(2)[None])
-    except AttributeError as e:
-        if not recorder.asked or e.args != (recorder.asked[-1][1],):  # not what the recorder lacked
-            raise
-        where, name = recorder.asked[-1]
-        raise ConfigError(
-            f"{config.architecture}: {where} asks transformers' cache for {name!r}; aotc's stand-in cache has update() only "
-            "(one indexed write per layer and step, at the positions the step gives, not from the cache's length)"
-        ) from None
-    finally:
-        for h in hooks:
-            h.remove()
-        vars(modeling).update(creators)
-        _register_attention()
-        _register_experts()
+        for name, create in creators.items():
+            setattr(modeling, name, recording(name, create))
+        try:
+            ids = torch.zeros(1, 2, dtype=torch.long)
+            with torch.no_grad():
+                hf(input_ids=ids, position_ids=torch.arange(2)[None], **{cache_param: recorder}, use_cache=True, aotc_positions=torch.arange(2)[None])
+        except AttributeError as e:
+            if not recorder.asked or e.args != (recorder.asked[-1][1],):  # not what the recorder lacked
+                raise
+            where, name = recorder.asked[-1]
+            raise ConfigError(
+                f"{config.architecture}: {where} asks transformers' cache for {name!r}; aotc's stand-in cache has update() only "
+                "(one indexed write per layer and step, at the positions the step gives, not from the cache's length)"
+            ) from None
+        finally:
+            for h in hooks:
+                h.remove()
+            vars(modeling).update(creators)
+            _register_attention()
+            _register_experts()
     for name, extra in masks:
         if name not in _MASKS or extra:
             raise ConfigError(
