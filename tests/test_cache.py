@@ -425,7 +425,7 @@ def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path,
     exports, keys_made = [], []
     real_export, real_key = torch.export.export, key_stage.cache_key
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real_export(*a, **k))
-    monkeypatch.setattr(key_stage, "cache_key", lambda *a: keys_made.append(1) or real_key(*a))
+    monkeypatch.setattr(key_stage, "cache_key", lambda *a, **k: keys_made.append(1) or real_key(*a, **k))
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, require_cache=True, **OPTIONS))
     assert second.count("cache") == len(second.artifacts) == first.graphs_traced == 5
     assert len(exports) == len(keys_made) == 5

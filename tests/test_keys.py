@@ -103,8 +103,12 @@ def test_cache_key_changes_with_the_graph_its_metadata_and_the_backend():
         cache_key(graph(weight="v.weight"), FakeBackend()),  # the artifact records which tensor each weight input is
         cache_key(graph(), FakeBackend(version="2")),
         cache_key(graph(), FakeBackend(flags={"max_autotune": True})),
+        # the model's code where it is another package's (transformers' version and source)
+        cache_key(graph(), FakeBackend(), code={"transformers": "5.24.0", "source": "a"}),
+        cache_key(graph(), FakeBackend(), code={"transformers": "5.25.0", "source": "a"}),
     ]
     assert len(set(others) | {base}) == len(others) + 1
+    assert cache_key(graph(), FakeBackend(), code={}) == base  # aotc's own models: no code beyond aotc's
     # a re-trace keys with the version the bundle was built with, not this machine's
     assert cache_key(graph(), FakeBackend(version="2"), version="1") == base
 

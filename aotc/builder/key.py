@@ -40,7 +40,7 @@ def key_graphs(plan: Plan, tasks: list[tuple[Variant, int]]) -> list[KeyedGraph]
     keyed = []
     for variant, bucket in tasks:
         graph = trace(variant, bucket, plan.shapes, plan.backend)
-        keyed.append(KeyedGraph(variant, bucket, graph, cache_key(graph, plan.backend)))
+        keyed.append(KeyedGraph(variant, bucket, graph, cache_key(graph, plan.backend, code=plan.code)))
     return keyed
 
 
@@ -61,7 +61,7 @@ def retrace(manifest: Manifest, entry: EntryRecord, art: ArtifactRecord, model_d
         raise AotcError(f"{model_dir} traces no entry {entry.id} today; the model changed since the bundle was built. Pass --model with the folder it was built from")
     graph = trace(variant, art.bucket, plan.shapes, backend)
     # Keyed with the compiler version the bundle was built with: bisect may run another.
-    keyed = KeyedGraph(variant, art.bucket, graph, cache_key(graph, backend, manifest.backend.version))
+    keyed = KeyedGraph(variant, art.bucket, graph, cache_key(graph, backend, manifest.backend.version, code=plan.code))
     if keyed.key != art.cache_key:
         raise AotcError(
             f"{label} traced from {model_dir} today has cache key {keyed.key[:12]}, but the bundle's artifact has "

@@ -29,6 +29,12 @@ class Plan:
     variants: list[Variant]
     tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
 
+    @property
+    def code(self) -> dict:
+        """What makes the model's graphs beyond aotc's own source (transformers' version and
+        modeling source, on the generic path): part of every graph's cache key."""
+        return self.loaded.arch.model_class.code_identity(self.loaded.config_dict)
+
     def entries(self) -> list[list[Variant]]:
         """The variants of each entry, in manifest order: one, or one per context bucket."""
         grouped: dict[str, list[Variant]] = {}

@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from ..trace import TracedGraph
 
 
-def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = None) -> str:
+def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = None, code: dict | None = None) -> str:
     """`version`: the backend version to key with (default: this machine's; a re-trace
-    keys with the version the bundle was built with, to compare graphs)."""
+    keys with the version the bundle was built with, to compare graphs). `code`: the
+    model's CausalLM.code_identity, where its code is another package's (empty for aotc's
+    own models)."""
     payload = {
         "format": FORMAT_VERSION,
         "graph": graph.graph_module.code,
@@ -47,8 +49,7 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
     variant = getattr(graph, "variant", None)
     if variant is not None and variant.layout.world_size > 1:  # the parallel layout; never the rank
         payload["parallel"] = [msgspec.to_builtins(variant.layout), msgspec.to_builtins(variant.shards)]
-    code = getattr(variant.module, "aotc_code", None) if variant is not None else None
-    if code is not None:  # a model whose code is another package's (transformers)
+    if code:  # a model whose code is another package's (transformers): CausalLM.code_identity
         payload["code"] = code
     return _digest(payload)
 

@@ -528,11 +528,24 @@ class Contract:
 # -- the model ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Outside:
+    """A module held by a module without being its submodule (nn.Module registers any
+    module set as an attribute; a dataclass it stores as it is)."""
+
+    module: nn.Module
+
+
 class TransformersCausalLM(CausalLM):
     """A transformers causal LM, its decoder layers and LM head compiled as entries."""
 
     config_class = TransformersConfig
     kv_cache_dtypes = ("auto", "fp8", "fp8-values")
+    outside: _Outside  # the transformers model, whose children are this model's
+
+    @property
+    def hf(self) -> nn.Module:
+        return self.outside.module
 
     def __init__(self, config: TransformersConfig):
         super().__init__()
@@ -558,7 +571,7 @@ class TransformersCausalLM(CausalLM):
         hf.eval()
         # The transformers model is not a submodule: its children are ours, so that parameter
         # paths are the checkpoint's names (model.layers.0..., lm_head.weight).
-        self.__dict__["hf"] = hf
+        self.outside = _Outside(hf)
         for name, child in hf.named_children():
             self.add_module(name, child)
         self.layer_modules = _decoder_layers(hf, config)
@@ -569,13 +582,11 @@ class TransformersCausalLM(CausalLM):
             self._split_experts()
         self.contract = _learn(hf, self.layer_modules, config)
         rows = _fp8_rows(config, self.contract)
-        code = code_identity(config.model_type, config.architecture)
         for i, layer in enumerate(self.layer_modules):
-            _convert_layer(layer, i, self.contract, rows, code)
+            _convert_layer(layer, i, self.contract, rows)
         head = hf.get_output_embeddings()
         if type(head) is nn.Linear:
             head.__class__ = LMHead
-            head.__dict__["aotc_code"] = code
         self.tied_head: tuple[str, str] | None = None  # a rank's head: (its path, the embedding's it reads its rows of)
         if degree > 1:
             self._split(model_class, whole, head)
@@ -911,17 +922,16 @@ def _contract_of(calls: list[_Call], layers, config: TransformersConfig, hf_conf
 # -- the generated classes -----------------------------------------------------------
 
 
-def _convert_layer(layer: nn.Module, index: int, contract: Contract, rows: tuple, code: dict) -> None:
+def _convert_layer(layer: nn.Module, index: int, contract: Contract, rows: tuple) -> None:
     """Make a decoder layer an instance of its class's aotc subclass, its layer_idx
     attributes stand-ins (`_LayerIndex`), and note its index for the model's loop."""
     layer.__class__ = _layer_class(type(layer), contract)
     for path, m in layer.named_modules():
         if isinstance(m.__dict__.get("layer_idx"), int):
             m.layer_idx = _LayerIndex(f"{type(m).__name__}")
-        if type(m.__dict__.get("_kernel_funcs")) is dict:
-            m.__dict__["_kernel_funcs"] = _KernelFuncs(m.__dict__["_kernel_funcs"])
-    layer.__dict__["aotc_index"] = index  # read by forward, outside any graph
-    layer.__dict__["aotc_code"] = code  # cache keys (aotc.cache.keys)
+        if type(m.__dict__.get("_kernel_funcs")) is dict:  # the instance's own, not a class default
+            m._kernel_funcs = _KernelFuncs(m._kernel_funcs)
+    layer.aotc_index = index
     layer.k_rows, layer.v_rows = rows
 
 
@@ -991,6 +1001,7 @@ def _layer_class(base: type, contract: Contract) -> type:
 
     return type(base.__name__, (base,), {
         "decode": decode, "prefill": prefill, "forward": forward, "example_inputs": example_inputs, "__module__": __name__,
+        "__annotations__": {"aotc_index": int},  # the layer's index in the model's loop: forward reads it, outside any graph
     })  # fmt: skip
 
 
