@@ -1,4 +1,4 @@
-"""Tensor parallelism for the generic path, from transformers' own plans (aotc.models.hf_parallel)."""
+"""Tensor parallelism for the generic path, from transformers' own plans (aotc.models.hf.parallel)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_a_norm_across_all_heads_sums_its_statistic_across_the_ranks(tmp_path, m
     for the ranks' sum here)."""
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-    from aotc.models import hf_parallel
+    from aotc.models.hf import parallel as hf_parallel
 
     g = torch.Generator().manual_seed(0)
     whole = Olmo2RMSNorm(64, eps=1e-6)

@@ -167,16 +167,16 @@ def test_the_generic_path_checks_a_configs_common_fields_as_aotcs_own_do(tmp_pat
 
 def test_learning_a_layer_contract_takes_turns_with_any_other(tmp_path):
     """Learning the generic path's layer contract swaps transformers' global attention,
-    experts and mask functions for one meta forward: it holds hf._LEARNING meanwhile, so two
+    experts and mask functions for one meta forward: it holds hf.contract._LEARNING meanwhile, so two
     learnings in one process never interleave (each would put back the other's stand-ins)."""
     import threading
 
-    from aotc.models import hf
+    from aotc.models.hf import contract
 
     folder, _ = hf_save(tmp_path, transformers.LlamaConfig, transformers.LlamaForCausalLM, **dict(COMMON, num_attention_heads=4, num_key_value_heads=2))
     done = threading.Event()
     loading = threading.Thread(target=lambda: (load_model(folder, weights=False, modeling="transformers"), done.set()))
-    with hf._LEARNING:
+    with contract._LEARNING:
         loading.start()
         assert not done.wait(timeout=3), "the contract was learnt while another learning held the lock"
     loading.join(timeout=120)

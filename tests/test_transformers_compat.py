@@ -1,4 +1,4 @@
-"""The transformers releases the generic path runs on (aotc.models.hf_compat): the
+"""The transformers releases the generic path runs on (aotc.models.hf.compat): the
 private names it leans on are all there, the extras accept the releases tested, and
 any other release is refused or warned about, naming the releases tested."""
 
@@ -20,11 +20,16 @@ from typer.testing import CliRunner
 
 from aotc.cli import app
 from aotc.errors import ConfigError
-from aotc.models import hf_compat
+from aotc.models.hf import compat as hf_compat
 
 from .test_transformers_path import save
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def GENERIC_PATH_SOURCE() -> str:
+    """aotc/models/hf/'s code, its compatibility table (compat.py) aside."""
+    return "\n".join(p.read_text() for p in sorted((ROOT / "aotc/models/hf").glob("*.py")) if p.name != "compat.py")
 
 
 def test_every_private_name_aotc_uses_is_in_this_transformers():
@@ -35,10 +40,10 @@ def test_every_private_name_aotc_uses_is_in_this_transformers():
 def test_each_private_name_says_why_and_when_it_can_go_and_the_table_names_what_hf_uses():
     for p in hf_compat.PRIVATE:
         assert p.why and p.until, p
-    source = (ROOT / "aotc/models/hf.py").read_text()
+    source = GENERIC_PATH_SOURCE()
     for p in hf_compat.PRIVATE:
-        assert re.search(rf"\b{re.escape(p.name)}\b", source), f"{p} is in hf_compat.PRIVATE, but aotc/models/hf.py does not use it"
-    # Every private transformers attribute hf.py names (a leading underscore) is in the table.
+        assert re.search(rf"\b{re.escape(p.name)}\b", source), f"{p} is in hf_compat.PRIVATE, but aotc/models/hf/ does not use it"
+    # Every private transformers attribute aotc/models/hf/ names (a leading underscore) is in the table.
     private = set(dir(transformers.PreTrainedModel)) - set(dir(torch.nn.Module))
     used = set(re.findall(r"\b(_[a-z][a-z_]+)\b", source)) & private
     assert used <= {p.name for p in hf_compat.PRIVATE}, used - {p.name for p in hf_compat.PRIVATE}
@@ -50,9 +55,9 @@ DOCUMENTED = {"ExpertsInterface"}
 
 
 def test_every_name_hf_imports_from_inside_transformers_is_in_the_table():
-    """A name aotc/models/hf.py imports from a transformers submodule that transformers does
+    """A name aotc/models/hf/ imports from a transformers submodule that transformers does
     not export at its top level is private: hf_compat.PRIVATE must list it."""
-    tree = ast.parse((ROOT / "aotc/models/hf.py").read_text())
+    tree = ast.parse(GENERIC_PATH_SOURCE())
     imported = {
         (node.module, a.name)
         for node in ast.walk(tree)

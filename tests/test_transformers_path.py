@@ -30,6 +30,8 @@ from aotc.errors import AotcError, ConfigError
 from aotc.format import read_manifest
 from aotc.layout import compiled_forms
 from aotc.models import hf as hf_path
+from aotc.models.hf import model as hf_model
+from aotc.models.hf import standins as hf_standins
 from aotc.models.loader import load_model, modeling_of
 from aotc.runtime import Bundle, check_generation, generate
 from aotc.runtime.check import error
@@ -352,8 +354,8 @@ def test_an_expert_picked_in_two_slots_counts_twice_as_in_transformers():
     theirs = experts(x, chosen, weights)
     assert_close = torch.testing.assert_close
     assert_close(theirs[0], 1.0 * experts(x[:1], torch.tensor([[2, 0]]), torch.tensor([[1.0, 0.0]]))[0])
-    assert_close(hf_path._experts(experts, x, chosen, weights), theirs, rtol=1e-5, atol=1e-6)  # eager: the experts hit
-    experts.__class__ = hf_path._experts_class(type(experts))
+    assert_close(hf_standins._experts(experts, x, chosen, weights), theirs, rtol=1e-5, atol=1e-6)  # eager: the experts hit
+    experts.__class__ = hf_standins._experts_class(type(experts))
     gathered = experts.compiled_forward(x[:1], chosen[:1], weights[:1], derived={})  # 2 choices < 4 experts: decode's form
     assert_close(gathered[0], theirs[0], rtol=1e-5, atol=1e-6)
     assert_close(experts.compiled_forward(x, chosen, weights, derived={}), theirs, rtol=1e-5, atol=1e-6)  # 6 choices: every expert
@@ -392,7 +394,7 @@ def test_cache_keys_carry_transformers_version_and_modeling_source(tmp_path, mon
     before = [k.key for k in key_graphs(plan, plan.tasks)]
     ours = hf_path.code_identity("olmo2", "Olmo2ForCausalLM")
     assert ours["transformers"] == transformers.__version__ and len(ours["modeling"]) == 64
-    monkeypatch.setattr(hf_path, "code_identity", lambda model_type, architecture: {**ours, "transformers": "5.99.0"})
+    monkeypatch.setattr(hf_model, "code_identity", lambda model_type, architecture: {**ours, "transformers": "5.99.0"})
     plan = make_plan(BuildOptions(model_dir, **options))
     after = [k.key for k in key_graphs(plan, plan.tasks)]
     assert not set(before) & set(after)

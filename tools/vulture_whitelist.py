@@ -66,7 +66,7 @@ _.wrap_steps
 # Set on rich's Console objects, read by rich (aotc/terminal.py).
 _.soft_wrap
 
-# The generic path (aotc/models/hf.py): what transformers reads of what aotc sets
+# The generic path (aotc/models/hf/): what transformers reads of what aotc sets
 # (config._attn_implementation and _experts_implementation, tensors' _is_hf_initialized flags, a module's layer_idx,
 # the generated entries' __signature__, read by inspect), and the arguments its cache and
 # attention interfaces pass, which aotc's stand-ins take and ignore.
@@ -84,7 +84,7 @@ other
 _.intercepted_binops
 _.unsafe_undefined
 
-# hf_compat.Private.until: when aotc can stop using a private transformers name; read by
+# hf.compat.Private.until: when aotc can stop using a private transformers name; read by
 # people and by tests/test_transformers_compat.py, which prints it for a missing name.
 _.until
 

@@ -26,7 +26,7 @@ import inspect
 import warnings
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 # The minor releases the conformance matrix (tests/test_transformers_path.py) runs on:
 # CI on the one the `test` extra installs, the other under `slow`

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import parallel
-from ..errors import ConfigError
-from ..format import ShardSpec
+from ... import parallel
+from ...errors import ConfigError
+from ...format import ShardSpec
 
 # transformers' parallel styles (transformers/distributed/tensor_parallel.py) that aotc
 # takes: how a rank holds the module's weight. None: whole on every rank.
