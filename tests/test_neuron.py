@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 import aotc
 from aotc import fp8
 from aotc.backends import neuron
-from aotc.backends.neuron import FP8_FLAG, NeuronBackend, NeuronOptions, compiler_command, has_fp8
+from aotc.backends.neuron import NeuronBackend
+from aotc.backends.neuronx_cc import FP8_FLAG, NeuronOptions, compiler_command, has_fp8
 from aotc.builder import BuildOptions, build, resume
 from aotc.cli import app
 from aotc.errors import AotcError, BackendError, BundleError

@@ -684,7 +684,7 @@ import hashlib, sys
 from pathlib import Path
 from aotc import parallel
 from aotc.backends.base import Specs
-from aotc.backends.neuron import named_hlo
+from aotc.backends.neuronx_cc import named_hlo
 from aotc.backends.xla import lower
 from aotc.builder import BuildOptions
 from aotc.builder.key import key_graphs

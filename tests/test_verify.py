@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import aotc
-from aotc.backends.neuron import lint
+from aotc.backends.neuronx_cc import lint
 from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.errors import BundleError
