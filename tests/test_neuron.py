@@ -476,7 +476,7 @@ def test_integer_reductions_and_the_global_view_form_are_refused_before_neuronx_
     (NCC_EVRF061/063); a channel id, global device ids or a Shardy custom call is JAX's
     global-view form, not the per-rank module it takes."""
     from aotc import parallel
-    from aotc.backends.xla import jitted
+    from aotc.backends.xla_lower import jitted
 
     texts = {}
     with parallel.tracing(parallel.record(2)):
@@ -522,7 +522,7 @@ def _nrtpy():
 def _collective_neff(path: Path, ranks: int, header: dict | None = None) -> Path:
     """A NEFF as the compiler double writes one, of a graph whose all-reduce spans `ranks` ranks."""
     from aotc import parallel
-    from aotc.backends.xla import jitted
+    from aotc.backends.xla_lower import jitted
 
     with parallel.tracing(parallel.record(ranks)):
         program = torch.export.export(_Reduce(), (torch.ones(4, 3),)).run_decompositions({})

@@ -685,7 +685,7 @@ from pathlib import Path
 from aotc import parallel
 from aotc.backends.base import Specs
 from aotc.backends.neuronx_cc import named_hlo
-from aotc.backends.xla import lower
+from aotc.backends.xla_lower import lower
 from aotc.builder import BuildOptions
 from aotc.builder.key import key_graphs
 from aotc.builder.plan import make_plan

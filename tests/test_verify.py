@@ -182,7 +182,7 @@ def test_hlo_pb_takes_every_graph_input_even_unread_ones():
     from jax._src.lib import xla_client
 
     from aotc.backends import Specs
-    from aotc.backends.xla import lower
+    from aotc.backends.xla_lower import lower
     from aotc.trace import Shapes, find_variants, trace
 
     shapes = Shapes(slots=3, max_seq=8)

@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from aotc.backends.base import DeviceBuffer, Weights
-from aotc.backends.xla import XlaBackend, dropped_overloads, import_torchax
+from aotc.backends.xla import XlaBackend
+from aotc.backends.xla_lower import dropped_overloads, import_torchax
 from aotc.builder import BuildOptions, build
 from aotc.cli import app
 from aotc.models.loader import load_model
@@ -60,7 +61,8 @@ def test_a_view_to_another_dtype_lowers_to_torchs_shape_and_bytes(source, to, sh
     [2,4] as uint8 is [2,8]); XLA's bitcast adds or takes a trailing dim instead."""
     import numpy as np
 
-    from aotc.backends.xla import jitted, to_numpy, to_torch
+    from aotc.backends.xla import to_numpy, to_torch
+    from aotc.backends.xla_lower import jitted
 
     size = torch.empty((), dtype=source).element_size()
     x = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).view(source)

@@ -23,7 +23,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np, torch
 from torch.distributed import _functional_collectives as funcol
-from aotc.backends.xla import import_torchax, jitted
+from aotc.backends.xla_lower import import_torchax, jitted
 from aotc.parallel import record, tracing
 from jax._src import xla_bridge
 from jax._src.lib import _jax, xla_client

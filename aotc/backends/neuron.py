@@ -23,7 +23,7 @@ import torch
 
 from ..errors import AotcError, BackendError, BundleError
 from ..format import ArtifactRecord, sha256_file
-from . import xla
+from . import xla, xla_lower
 from .base import Backend, Bisector, CompileResult, Device, DeviceBuffer, Program, Progress, Specs, Step, Weights, joined_ranks, parallel_jobs
 from .neuronx_cc import (
     COMMAND,
@@ -302,7 +302,7 @@ class NeffProgram(Program):
 @register_backend
 class NeuronBackend(Backend):
     name = "neuron"
-    files = (xla.HLO_PROTO, xla.HLO_TEXT, COMMAND)  # + NEFF and LOG once compiled
+    files = (xla_lower.HLO_PROTO, xla_lower.HLO_TEXT, COMMAND)  # + NEFF and LOG once compiled
     extra_type = NeuronExtra
     tolerance_factor = xla.XlaBackend.tolerance_factor  # the same HLO, summed in the same other order
     static_shapes = True
@@ -356,19 +356,19 @@ class NeuronBackend(Backend):
         return None
 
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
-        lowered = xla.lower(program, specs)
+        lowered = xla_lower.lower(program, specs)
         proto, text = named_hlo(lowered.hlo_proto)  # the NEFF's tensor names, for the runtime to bind
         bad = refused(text)
         if bad:
             raise BackendError("the graph's HLO has what the neuron backend does not hand neuronx-cc:\n  " + "\n  ".join(bad))
-        (out_dir / xla.HLO_PROTO).write_bytes(proto)
-        (out_dir / xla.HLO_TEXT).write_text(text)
+        (out_dir / xla_lower.HLO_PROTO).write_bytes(proto)
+        (out_dir / xla_lower.HLO_TEXT).write_text(text)
         fp8 = has_fp8(program.graph_module)
         findings = lint(proto, lowered.sources, listed_operators())
-        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, fp8)
+        cmd = compiler_command(self.options, xla_lower.HLO_PROTO, NEFF, fp8)
         # For people reading the bundle; --resume rebuilds the command from the typed flags.
         (out_dir / COMMAND).write_text(shlex.join(cmd) + "\n")
-        files = [xla.HLO_PROTO, xla.HLO_TEXT, COMMAND]
+        files = [xla_lower.HLO_PROTO, xla_lower.HLO_TEXT, COMMAND]
         if compiler_version() is None:
             return CompileResult(files, NeuronExtra(lowered.mutated, fp8, findings, f"{COMPILER} was not on PATH on the build machine"))
         run_compiler(cmd, out_dir)
@@ -394,7 +394,7 @@ class NeuronBackend(Backend):
         def compile_one(item):
             e, a = item
             folder = confined(root, a.dir, artifact_label(e.id, a.bucket, a.context))
-            run_compiler(compiler_command(self.options, xla.HLO_PROTO, NEFF, a.extra.fp8), folder)
+            run_compiler(compiler_command(self.options, xla_lower.HLO_PROTO, NEFF, a.extra.fp8), folder)
             progress("done", id=artifact_label(e.id, a.bucket, a.context), bucket=a.bucket)
 
         with ThreadPoolExecutor(max_workers=jobs or parallel_jobs(len(pending), self.compile_memory_gb)) as pool:  # each compile is a subprocess

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import BackendError
-from . import xla
+from . import xla_lower
 from .base import Attempted, Bisector, Specs
 
 if TYPE_CHECKING:
@@ -239,11 +239,11 @@ class HloBisector(Bisector):
         self.options = options
 
     def lower(self, program: "ExportedProgram", specs: Specs) -> torch.fx.GraphModule:
-        return xla.decomposed(program, specs)[0]
+        return xla_lower.decomposed(program, specs)[0]
 
     def attempt(self, gm: torch.fx.GraphModule, folder: Path, argv0: list[str] | None) -> Attempted:
-        (folder / xla.HLO_PROTO).write_bytes(xla.hlo_of(gm))
-        cmd = compiler_command(self.options, xla.HLO_PROTO, NEFF, has_fp8(gm))
+        (folder / xla_lower.HLO_PROTO).write_bytes(xla_lower.hlo_of(gm))
+        cmd = compiler_command(self.options, xla_lower.HLO_PROTO, NEFF, has_fp8(gm))
         if argv0:
             cmd = argv0 + cmd[1:]
         try:
@@ -252,7 +252,7 @@ class HloBisector(Bisector):
         except BackendError as e:
             found = re.search(r"NCC_[A-Z0-9]+", str(e))
             code = found.group(0) if found else re.sub(r".*failed ", "", str(e)).split(";")[0]
-        return Attempted(code, cmd, xla.HLO_PROTO, LOG)
+        return Attempted(code, cmd, xla_lower.HLO_PROTO, LOG)
 
 
 # The NEFF's tensor names: neuronx-cc takes them from the HLO's frontend attributes
