@@ -16,7 +16,8 @@ from ..errors import AotcError
 from ..layout import graph_weights
 from ..models.loader import LoadedModel, load_model, parse_config, weight_shard
 from ..plugins import load_plugins
-from ..trace import Shapes, Variant, find_variants
+from ..shapes import Shapes
+from ..trace import Variant, find_variants
 from .options import DEFAULT_MAX_SEQ, BuildOptions
 
 
