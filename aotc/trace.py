@@ -31,7 +31,7 @@ from .models.base import fake_tensor_mode
 from .parallel import SINGLE
 from .passes import needs_static, pipeline_for, run_pipeline
 from .passes.base import alias_root, source_line, written_args
-from .passes.strip_data_dependent import unbacked_in
+from .passes.unbacked_ops import unbacked_in
 from .shapes import Shapes
 
 if TYPE_CHECKING:

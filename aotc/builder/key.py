@@ -13,7 +13,7 @@ from ..backends import Backend
 from ..cache.keys import cache_key
 from ..errors import AotcError
 from ..format import ArtifactRecord, EntryRecord, Form, Manifest, artifact_label
-from ..passes.strip_data_dependent import unbacked_in
+from ..passes.unbacked_ops import unbacked_in
 from ..trace import TracedGraph, Variant, trace
 from .options import BuildOptions
 from .plan import Plan, make_plan
