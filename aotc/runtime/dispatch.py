@@ -282,7 +282,7 @@ class Dispatcher:
                 "contiguous slice of the cache allocated for this bundle"
             )
         view = cache.as_strided(shape, stride)
-        cache._aotc_first = {**(views or {}), shape: view}
+        cache._aotc_first = {**(views or {}), shape: view}  # the memo above
         return view
 
     def _region(self, arg, index: int, span: tuple[int, int]) -> torch.Tensor:
