@@ -8,6 +8,7 @@ headers, no value is read), finds each entry's variants, and lists the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from .. import parallel
@@ -30,7 +31,7 @@ class Plan:
     variants: list[Variant]
     tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
 
-    @property
+    @functools.cached_property  # once per build: on the generic path it hashes the modeling source
     def code(self) -> dict:
         """What makes the model's graphs beyond aotc's own source (transformers' version and
         modeling source, on the generic path): part of every graph's cache key."""
