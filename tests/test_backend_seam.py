@@ -102,7 +102,7 @@ def test_a_backend_from_a_plugin_builds_runs_checks_and_verifies(tiny_dir, tmp_p
     out = tmp_path / "bundle"
     plugin = ["--plugin", __name__]
     r = runner.invoke(
-        app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "--no-cache", "-o", str(out)]
+        app, ["build", str(tiny_dir), "--backend", InterpreterBackend.name, *plugin, "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64", "--no-cache", "-o", str(out)]
     )
     assert r.exit_code == 0, r.output
     manifest = json.loads((out / "manifest.json").read_text())

@@ -464,7 +464,13 @@ CASES = [
         "context-not-a-bucket",
         "bundle",
         lambda e: run(manifest(e, lambda m: _decode(m)["artifacts"][0]["dims"].update(context=32))),
-        "(bucket, context) pairs [(1, 32)], but shapes.batch is [1] and shapes.context is [64]",
+        "(bucket, context) pairs [(1, 32)], but shapes.batch is [1] and its context buckets are [64] (shapes.context)",
+    ),
+    Case(
+        "chunk-context-edited",
+        "bundle",
+        lambda e: run(manifest(e, lambda m: m["shapes"].update(chunk_context=32))),
+        "shapes.chunk_context",
     ),
     Case(
         "context-arg-dropped",

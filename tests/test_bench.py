@@ -213,7 +213,7 @@ def test_chat_packs_a_batchs_prompts_and_rates_the_rows_it_ran(bench):
         assert math.isclose(r["aotc/eager"], ratio(r, "aotc ms", "eager ms"))
         assert math.isclose(r["aotc GFLOP/s padding included"] / r["aotc GFLOP/s"], r["rows computed"] / r["tokens"])
     assert math.isclose(four["4 prompts / 1"], four["aotc ms"] / one["aotc ms"])
-    assert one["target met"] == (one["aotc/eager"] <= 1.0) and four["target met"] == (four["4 prompts / 1"] <= 3.0)
+    assert all(r["target met"] == (r["aotc/transformers"] <= 0.9) for r in (one, four))
 
 
 def test_context_reads_the_smallest_bucket_that_holds_the_position(bench):

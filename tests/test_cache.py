@@ -25,7 +25,8 @@ from aotc.errors import AotcError
 from aotc.format import CompiledRecord
 from aotc.models.tiny import write_tiny
 
-OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
+# A chunk as long as max_seq: no chunk context (builder.plan._chunk_context), one artifact per (entry, bucket).
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(64,), max_seq=64, backend="export")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,8 +54,8 @@ def test_shapes_buckets_flags_and_versions_change_keys(tiny_dir, base_keys, tmp_
     assert changed[("LlamaDecoderLayer.decode", 1)] != base_keys[("LlamaDecoderLayer.decode", 1)]
     assert changed[("LMHead.forward", 1)] == base_keys[("LMHead.forward", 1)]  # the head's shapes did not change
 
-    rebucketed = keys(tiny_dir, chunk_buckets=(16, 32))
-    assert rebucketed[("LlamaDecoderLayer.prefill", 16)] == base_keys[("LlamaDecoderLayer.prefill", 16)]
+    rebucketed = keys(tiny_dir, chunk_buckets=(32, 64))
+    assert rebucketed[("LlamaDecoderLayer.prefill", 64)] == base_keys[("LlamaDecoderLayer.prefill", 64)]
     assert rebucketed[("LlamaDecoderLayer.prefill", 32)] not in base_keys.values()
     # A larger batch bucket also grows the cache pool (slots), so every layer graph changes.
     assert keys(tiny_dir, batch_buckets=(1, 4))[("LlamaDecoderLayer.decode", 1)] != base_keys[("LlamaDecoderLayer.decode", 1)]
@@ -130,7 +131,7 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     options = dict(batch_buckets=(1, 2, 4, 8), chunk_buckets=(16, 32), max_seq=64, backend="export")
     args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
     held = [LocalCache(cache).lock(key) for key in sorted({k for *_, k in build_keys(BuildOptions(tiny_dir, **options))})]
-    assert len(held) == 10  # 4 decode + 2 prefill + 4 head
+    assert len(held) == 12  # 4 decode + 2 prefill at the context and 2 at the chunk context (32) + 4 head
     for lock in held:
         lock.acquire()
     try:
@@ -152,8 +153,8 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     compiled = [int(re.search(r"(\d+) misses compiled", out).group(1)) for out, _ in outs]
     hits = [int(re.search(r"cache: (\d+) hits", out).group(1)) for out, _ in outs]
-    assert sum(compiled) == 10 and [c + h for c, h in zip(compiled, hits)] == [10, 10], outs
-    assert len(LocalCache(cache).entries()) == 10
+    assert sum(compiled) == 12 and [c + h for c, h in zip(compiled, hits)] == [12, 12], outs
+    assert len(LocalCache(cache).entries()) == 12
 
 
 @pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
@@ -169,7 +170,7 @@ def test_build_killed_mid_compile_leaves_nothing_served(tiny_dir, tmp_path):
         "--buckets",
         "1",
         "--prefill-chunk",
-        "16",
+        "64",
         "--max-seq",
         "64",
         "--cache-dir",
@@ -197,7 +198,7 @@ def test_build_killed_mid_compile_leaves_nothing_served(tiny_dir, tmp_path):
 def test_cache_cli_key_ls_prune_and_require_cache(tiny_dir, tmp_path):
     runner = CliRunner()
     cache = tmp_path / "cache"
-    common = [str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64"]
+    common = [str(tiny_dir), "--backend", "export", "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64"]
     key = runner.invoke(app, ["cache", "key", *common]).output.strip()
     assert re.fullmatch(r"[0-9a-f]{64}", key)
     assert runner.invoke(app, ["cache", "key", *common]).output.strip() == key
@@ -358,7 +359,7 @@ def test_remote_bucket_missing_is_reported_and_local_cache_is_intact(tiny_dir, t
             "--buckets",
             "1,2",
             "--prefill-chunk",
-            "16",
+            "64",
             "--max-seq",
             "64",
             "--cache-dir",
@@ -398,7 +399,7 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
     for step in ("docs/ci/aotc-ci.sh key", "docs/ci/aotc-ci.sh shard", "docs/ci/aotc-ci.sh assemble", "matrix", "actions/cache"):
         assert step in workflow
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AOTC_BUILD_ARGS": "--backend export --buckets 1,2 --prefill-chunk 16 --max-seq 64", "COLUMNS": "200"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "AOTC_BUILD_ARGS": "--backend export --buckets 1,2 --prefill-chunk 64 --max-seq 64", "COLUMNS": "200"}
     run = lambda *a, cache: subprocess.run(["bash", str(script), *map(str, a)], env={**env, "AOTC_CACHE_DIR": str(cache)}, capture_output=True, text=True, check=True)  # noqa: E731
     key = run("key", tiny_dir, cache=tmp_path / "none").stdout.strip()
     assert re.fullmatch(r"[0-9a-f]{64}", key)

@@ -34,13 +34,13 @@ def built(tmp_path_factory):
 
 def test_build_reports_graphs_and_table(built):
     model, bundle, output = built
-    assert "traced 8 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket
+    assert "traced 10 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket, and the chunk context 32
     assert "LlamaDecoderLayer.prefill" in output and "LMHead.forward" in output
     assert (bundle / "manifest.json").is_file()
     files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.pt2"))
     assert files == sorted(
         [f"entries/LlamaDecoderLayer.decode/b{b}-c192/program.pt2" for b in (1, 2, 4)]  # context bucket: max_seq
-        + [f"entries/LlamaDecoderLayer.prefill/b{b}-c192/program.pt2" for b in (16, 32)]
+        + [f"entries/LlamaDecoderLayer.prefill/b{b}-c{c}/program.pt2" for b in (16, 32) for c in (32, 192)]  # 32: the chunk context
         + [f"entries/LMHead.forward/b{b}/program.pt2" for b in (1, 2, 4)]
     )
     assert not list(bundle.parent.glob(".bundle.tmp-*"))  # no temporary folder left behind
@@ -205,7 +205,7 @@ def test_a_build_into_a_log_prints_each_artifact_as_it_finishes(tiny_dir, tmp_pa
     (tmp_path / "gated.py").write_text(GATED)
     gate = tmp_path / "gate"
     argv = [sys.executable, "-m", "aotc.cli", "build", str(tiny_dir), "--plugin", "gated", "--backend", "gated", "--buckets", "1",
-            "--prefill-chunk", "16", "--max-seq", "64", "--no-cache", "-o", str(tmp_path / "b")]  # fmt: skip
+            "--prefill-chunk", "64", "--max-seq", "64", "--no-cache", "-o", str(tmp_path / "b")]  # fmt: skip
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "GATE": str(gate)}
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = re.compile(r"(\S+) bucket (\d+)( context \d+)?: uncached, \d+\.\d\d s")

@@ -41,7 +41,7 @@ lowers = pytest.mark.skipif(NeuronBackend().can_compile() is not None, reason=st
 
 FAKES = Path(__file__).parent / "fakes"
 # One build process: a worker would spend longer importing torch and jax than lowering these graphs.
-OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="neuron", use_cache=False, jobs=1)
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(64,), max_seq=64, backend="neuron", use_cache=False, jobs=1)
 
 
 @pytest.fixture()
@@ -162,7 +162,7 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     out = tmp_path / "bundle"
     r = runner.invoke(
         app,
-        ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)],
+        ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64", "-o", str(out)],
         env={"COLUMNS": "200"},
     )
     assert r.exit_code == 0, r.output
@@ -307,7 +307,7 @@ def test_real_neuron_compile_and_run(tiny_dir, tmp_path):
     runner = CliRunner()
     out = tmp_path / "bundle"
     r = runner.invoke(
-        app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "16", "--max-seq", "64", "-o", str(out)]
+        app, ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64", "-o", str(out)]
     )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["run", str(out), "--check", "--json", "--prompt", "Hello", "--max-new-tokens", "8"])

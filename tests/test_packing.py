@@ -122,10 +122,11 @@ def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
         torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("lengths, contexts", [((70,), [64] * 4 + [256]), ((3, 70), [64] * 4 + [256])])
+@pytest.mark.parametrize("lengths, contexts", [((70,), [16] + [64] * 3 + [256]), ((3, 70), [16] + [64] * 3 + [256])])
 def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, lengths, contexts):
-    """Chunks of 16 with context buckets 64 and 256: the chunks that end by position 63
-    read 64 cache positions, the one past it 256; the logits are eager's."""
+    """Chunks of 16 with context buckets 64 and 256: the first chunk reads 16 cache
+    positions (the chunk context, which only the chunk entry has), the chunks that end by
+    position 63 read 64, the one past it 256; the logits are eager's."""
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(context_bundle)
     bundle.bind(loaded.model)

@@ -11,7 +11,7 @@ from aotc.builder import BuildOptions, build, build_keys
 from aotc.cli import app
 from aotc.cli.run import DEFAULT_PROMPTS
 
-OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64, backend="export")
+OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(64,), max_seq=64, backend="export")
 
 
 def invoke(*args):
@@ -42,7 +42,7 @@ def test_run_without_prompts_uses_four_smoke_prompts_the_last_over_two_chunks(ti
 def test_build_prints_its_table_and_the_fallback_message(tiny_dir, tmp_path, monkeypatch):
     """Without a C++ compiler the default backend is export, and the build says why."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++
-    r = invoke("build", tiny_dir, "--buckets", "1", "--prefill-chunk", "16", "--max-seq", 64, "--no-cache", "-o", tmp_path / "b")
+    r = invoke("build", tiny_dir, "--buckets", "1", "--prefill-chunk", "64", "--max-seq", 64, "--no-cache", "-o", tmp_path / "b")
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "using the export backend: inductor is unavailable: AOTInductor compiles C++ and no g++ or c++ is on PATH" in said

@@ -33,7 +33,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], Built
         plugins=list(options.plugins),
         model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
-        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets)),
+        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets), plan.chunk_context),
         parallel=options.layout,
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
         passes=pipeline_identity(backend),

@@ -30,6 +30,7 @@ class Plan:
     shapes: Shapes
     variants: list[Variant]
     tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
+    chunk_context: int | None = None  # a context only chunk entries are built at (_chunk_context)
 
     @functools.cached_property  # once per build: on the generic path it hashes the modeling source
     def code(self) -> dict:
@@ -75,9 +76,10 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
-    variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model))
+    chunk_context = _chunk_context(options, loaded.model)
+    variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model), chunk_context)
     tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
-    return Plan(options, backend, loaded, shapes, variants, tasks)
+    return Plan(options, backend, loaded, shapes, variants, tasks, chunk_context)
 
 
 def with_shards(variant: Variant, model) -> Variant:
@@ -120,10 +122,25 @@ def _contexts(options: BuildOptions, model) -> tuple[int, ...]:
     return options.context_buckets
 
 
-def per_context(variants: list[Variant], contexts: tuple[int, ...]) -> list[Variant]:
+def _chunk_context(options: BuildOptions, model) -> int | None:
+    """The context a prompt's first chunk needs: the largest chunk, where that is below
+    every context bucket and a cache length the model takes. A chunk graph reads all of
+    its context's cache positions, masked or not: SmolLM2's 38-token chat prompt in a
+    chunk of 64 read 256 + 64 keys, of which 38 are its own (attention 16 ms of 88, fp32),
+    and reads 64 + 64 at this context (6.5 ms)."""
+    c = max(options.chunk_buckets)
+    return c if c < min(options.context_buckets) and model.round_max_seq(c) == c else None
+
+
+def per_context(variants: list[Variant], contexts: tuple[int, ...], chunk_context: int | None = None) -> list[Variant]:
     """A variant whose entry reads positions (EntrySpec.context) once per context bucket:
-    the same entry, traced at each (its artifacts' dims["context"])."""
+    the same entry, traced at each (its artifacts' dims["context"]); an entry bucketed by
+    chunk also at `chunk_context` (_chunk_context), decode not (its rows read few keys)."""
     out = []
     for v in variants:
-        out += [v] if v.spec.context is None else [dataclasses.replace(v, context=c) for c in contexts]
+        if v.spec.context is None:
+            out.append(v)
+            continue
+        extra = (chunk_context,) if chunk_context is not None and v.spec.bucket == "chunk" else ()
+        out += [dataclasses.replace(v, context=c) for c in (*extra, *contexts)]
     return out

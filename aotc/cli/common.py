@@ -102,7 +102,7 @@ CONTEXT = typer.Option(None, "--context", help="With --entry and --bucket: the a
 
 CONTEXT_BUCKETS = typer.Option(
     None, "--context-buckets",
-    help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins).",
+    help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins). Prefill graphs are also built at the largest --prefill-chunk where that is below them, for a prompt's first chunk.",
 )  # fmt: skip
 
 

@@ -120,9 +120,11 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             want, have, what = sorted(kinds), sorted(a.bucket for a in entry.artifacts), "buckets"
             shapes, per = f"shapes.{entry.bucket_kind} is {kinds}", ""
         else:
-            want = sorted((b, c) for b in kinds for c in manifest.shapes.context)
+            contexts = manifest.shapes.contexts(entry.bucket_kind)
+            want = sorted((b, c) for b in kinds for c in contexts)
             have, what = sorted((a.bucket, a.context) for a in entry.artifacts), "(bucket, context) pairs"
-            shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and shapes.context is {manifest.shapes.context}", " at each context bucket"
+            fields = "shapes.context" + (" and shapes.chunk_context" if entry.bucket_kind == "chunk" else "")
+            shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and its context buckets are {contexts} ({fields})", " at each context bucket"
         if have != want:
             raise error(f"{source}: entries[{i}].artifacts: {what} {have}, but {shapes}: every bucket needs one artifact{per}. Rebuild the bundle")
     _check_entries(manifest, bad)
@@ -152,6 +154,8 @@ def _check_shapes(m: Manifest, bad) -> None:
             bad(f"shapes.{name}", f"{values} is not a strictly increasing list of positive integers")
     if s.max_seq < 1 or s.context[-1] != s.max_seq:
         bad("shapes.context", f"{s.context} must end at max_seq ({s.max_seq}): the last context bucket reads the whole cache")
+    if s.chunk_context is not None and s.chunk_context != max(s.chunk) or (s.chunk_context or 0) >= s.context[0]:
+        bad("shapes.chunk_context", f"{s.chunk_context}: expected the largest chunk ({max(s.chunk)}) where that is below the smallest context bucket ({s.context[0]}), or null")
     if s.cache_slots != max(s.batch) + 1:
         bad("shapes.cache_slots", f"{s.cache_slots}, but the largest batch bucket is {max(s.batch)}: one slot per row plus the scratch slot is {max(s.batch) + 1}")
     kv = m.model.kv_cache

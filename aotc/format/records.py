@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import BundleError
 
-FORMAT_VERSION = 16  # 16: int8 weight values reach the graphs as int8, not as uint8 bytes
+FORMAT_VERSION = 17  # 17: shapes.chunk_context, a context only chunk entries are built at
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -267,9 +267,14 @@ class ShapesRecord:
     max_seq: int
     cache_slots: int  # the largest batch bucket plus one scratch slot
     context: list[int]  # the context buckets, max_seq last
+    chunk_context: int | None  # a context below them that entries bucketed by chunk have too (a prompt's first chunk); None: none
 
     def buckets(self, kind: BucketKind) -> list[int]:
         return self.batch if kind == "batch" else self.chunk
+
+    def contexts(self, kind: BucketKind) -> list[int]:
+        """The context buckets of a context-bucketed entry bucketed by `kind`."""
+        return ([self.chunk_context] if kind == "chunk" and self.chunk_context is not None else []) + self.context
 
 
 @dataclass
