@@ -21,6 +21,7 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 # rows already reach the GEMM's rate, so a long prompt loses little to chunks of 64
 # (500 tokens: 741 ms against 692 ms with 128). Each chunk length costs a prefill graph
 # per context bucket, and a third would take the build past 1.3x the time of one length.
+# bench/chunk_buckets.py times sets against each other (docs/performance.md).
 DEFAULT_CHUNK_BUCKETS = (16, 64)
 DEFAULT_MAX_SEQ = 1024
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")

@@ -38,7 +38,7 @@ def chat(run: Run) -> dict:
     peaks = {}
     rows = []
     for label, folder in folders.items():
-        requests = _requests(folder, run.quick)
+        requests = chat_requests(folder, run.quick)
         bundle = Bundle.load(run.bundle(folder, "chat", chunk_buckets=DEFAULT_CHUNK_BUCKETS, max_seq=1024))
         # Two instances, so that no request binds or unbinds: one bound, one eager.
         model, eager = (load_model(folder, **bundle.model_args(eager=e)).model for e in (False, True))
@@ -57,8 +57,8 @@ def chat(run: Run) -> dict:
         flops_per_token = 2 * sum(p.numel() for n, p in eager.named_parameters() if ".layers." in n)
         for prompts in (requests[:1], requests):
             engines = {
-                "aotc": lambda: _first(model, prompts, kw, aotc_caches),
-                "eager": lambda: _first(eager, prompts, kw, eager_caches),
+                "aotc": lambda: first_tokens(model, prompts, kw, aotc_caches),
+                "eager": lambda: first_tokens(eager, prompts, kw, eager_caches),
                 "transformers": lambda: _transformers_first(hf, prompts),
             }
             times, firsts = {e: [] for e in engines}, {}
@@ -101,7 +101,7 @@ def chat(run: Run) -> dict:
     }  # fmt: skip
 
 
-def _requests(folder, quick: bool) -> list[list[int]]:
+def chat_requests(folder, quick: bool) -> list[list[int]]:
     """The four prompts' ids: chat turns of the real model, or (tiny model, no chat
     template) that many tokens of its vocabulary."""
     if quick:
@@ -116,7 +116,7 @@ def _requests(folder, quick: bool) -> list[list[int]]:
     return ids
 
 
-def _first(model, prompts, kw, caches) -> list[int]:
+def first_tokens(model, prompts, kw, caches) -> list[int]:
     """The first token of each prompt, from aotc's generate (a bound model or eager)."""
     return [s.new_ids[0] for s in generate(model, prompts, 1, caches=caches, **kw).sequences]
 
