@@ -470,7 +470,7 @@ CASES = [
         "chunk-context-edited",
         "bundle",
         lambda e: run(manifest(e, lambda m: m["shapes"].update(chunk_context=32))),
-        "shapes.chunk_context",
+        "shapes.chunk_context: 32: expected the largest chunk (16) where that is below the smallest context bucket (64), or null",
     ),
     Case(
         "context-arg-dropped",

@@ -154,7 +154,7 @@ def _check_shapes(m: Manifest, bad) -> None:
             bad(f"shapes.{name}", f"{values} is not a strictly increasing list of positive integers")
     if s.max_seq < 1 or s.context[-1] != s.max_seq:
         bad("shapes.context", f"{s.context} must end at max_seq ({s.max_seq}): the last context bucket reads the whole cache")
-    if s.chunk_context is not None and s.chunk_context != max(s.chunk) or (s.chunk_context or 0) >= s.context[0]:
+    if s.chunk_context is not None and (s.chunk_context != max(s.chunk) or s.chunk_context >= s.context[0]):
         bad("shapes.chunk_context", f"{s.chunk_context}: expected the largest chunk ({max(s.chunk)}) where that is below the smallest context bucket ({s.context[0]}), or null")
     if s.cache_slots != max(s.batch) + 1:
         bad("shapes.cache_slots", f"{s.cache_slots}, but the largest batch bucket is {max(s.batch)}: one slot per row plus the scratch slot is {max(s.batch) + 1}")

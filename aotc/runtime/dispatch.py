@@ -131,7 +131,6 @@ class Dispatcher:
             self.steps.setdefault(art.context, {})[art.bucket] = steps[art.context, art.bucket]
             self.layouts[art.context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in art.inputs]
         self.contexts = sorted(self.steps, key=lambda c: c or 0)
-        self.contexts_key = tuple(self.contexts)
         self.buckets = sorted({a.bucket for a in entry.artifacts})
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
@@ -186,15 +185,14 @@ class Dispatcher:
         """The smallest context bucket that holds every row's position."""
         if self.context_at is None:
             return None
-        # Keyed by the entry's contexts too: a chunk entry has one that decode has not (builder.plan._chunk_context).
-        positions, key = args[self.context_at], ("context", self.memo.reach, self.contexts_key)
-        found = self.memo.get(positions, key)
-        if found is not None:
+        positions, reach = args[self.context_at], self.memo.reach
+        found = self.memo.get(positions, ("context", reach))
+        if found is not None and found in self.steps:
             return found
-        need = max(int(positions.max()) + 1, self.memo.reach)
+        need = max(int(positions.max()) + 1, reach)
         for c in self.contexts:
             if c >= need:
-                return self.memo.put(positions, key, c)
+                return self.memo.put(positions, ("context", reach), c)
         raise BundleError(f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); rebuild with a larger --max-seq")
 
     def _run(self, context: int | None, args, n: int, call: int = 0):
