@@ -168,9 +168,10 @@ def tiny_bundle(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def context_bundle(tiny_dir, tmp_path_factory):
-    """Decode graphs that read the first 64 cache positions, and all 256 (export)."""
+    """Graphs that read the first 64 cache positions, and all 256; prefill chunks of 16 and
+    32 also at the chunk contexts 16, 32 (16 at both, 32 at 32) and 128 (export)."""
     out = tmp_path_factory.mktemp("bundles") / "contexts"
-    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=256, context_buckets=(64,), backend="export")).out
+    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16, 32), max_seq=256, context_buckets=(64,), backend="export")).out
 
 
 def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):

@@ -467,10 +467,10 @@ CASES = [
         "(bucket, context) pairs [(1, 32)], but shapes.batch is [1] and its context buckets are [64] (shapes.context)",
     ),
     Case(
-        "chunk-context-edited",
+        "chunk-contexts-edited",
         "bundle",
-        lambda e: run(manifest(e, lambda m: m["shapes"].update(chunk_context=32))),
-        "shapes.chunk_context: 32: expected the largest chunk (16) where that is below the smallest context bucket (64), or null",
+        lambda e: run(manifest(e, lambda m: m["shapes"].update(chunk_contexts=[16, 32]))),
+        "shapes.chunk_contexts: [16, 32]: expected increasing cache lengths up to max_seq (64), none a context bucket ([64]), each below the smallest context bucket a chunk bucket ([16])",
     ),
     Case(
         "context-arg-dropped",

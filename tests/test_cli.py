@@ -34,13 +34,13 @@ def built(tmp_path_factory):
 
 def test_build_reports_graphs_and_table(built):
     model, bundle, output = built
-    assert "traced 10 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket, and the chunk context 32
+    assert "traced 11 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket, and the chunk contexts 16 and 32
     assert "LlamaDecoderLayer.prefill" in output and "LMHead.forward" in output
     assert (bundle / "manifest.json").is_file()
     files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.pt2"))
     assert files == sorted(
         [f"entries/LlamaDecoderLayer.decode/b{b}-c192/program.pt2" for b in (1, 2, 4)]  # context bucket: max_seq
-        + [f"entries/LlamaDecoderLayer.prefill/b{b}-c{c}/program.pt2" for b in (16, 32) for c in (32, 192)]  # 32: the chunk context
+        + [f"entries/LlamaDecoderLayer.prefill/b{b}-c{c}/program.pt2" for b in (16, 32) for c in (16, 32, 192) if c >= b]  # 16, 32: the chunk contexts
         + [f"entries/LMHead.forward/b{b}/program.pt2" for b in (1, 2, 4)]
     )
     assert not list(bundle.parent.glob(".bundle.tmp-*"))  # no temporary folder left behind

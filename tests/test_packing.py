@@ -122,22 +122,52 @@ def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
         torch.testing.assert_close(torch.stack(c.logits), torch.stack(e.logits), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("lengths, contexts", [((70,), [16] + [64] * 3 + [256]), ((3, 70), [16] + [64] * 3 + [256])])
-def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, lengths, contexts):
-    """Chunks of 16 with context buckets 64 and 256: the first chunk reads 16 cache
-    positions (the chunk context, which only the chunk entry has), the chunks that end by
-    position 63 read 64, the one past it 256; the logits are eager's."""
+@pytest.mark.parametrize(
+    "steps, contexts",
+    [
+        ([(70,)], [32, 64, 128]),  # calls of 32, 32 and 6 rows: 0-31, 32-63, 64-69
+        ([(3, 70)], [32, 64, 128]),  # packed: rows 0-31 reach position 28, 32-63 60, 64-72 69
+        ([(9,), (16,)], [16, 32]),  # a prompt's 16 rows from position 9, in a chunk of 16 at the chunk context 32
+        ([(12, 14)], [32]),  # 26 rows reaching position 13: the chunk of 32 at 32, not at 16 (the chunk of 16's)
+    ],
+)
+def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, steps, contexts):
+    """Chunks of 16 and 32, context buckets 64 and 256: a call runs at the smallest context
+    its chunk bucket was built at that holds its positions: the chunk contexts, which only
+    the chunk entry has (16 and 32, at least as long as the bucket, and 128, 64 doubled
+    below 256), and 64 and 256. Each step's logits are eager's (a step after the first
+    continues the first prompt)."""
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(context_bundle)
-    bundle.bind(loaded.model)
-    used = record_contexts(loaded.model.model.layers[1].prefill)
-    ps = [torch.tensor(p) for p in prompts(*lengths)]
-    slots = list(range(len(ps)))
-    got = loaded.model.prefill_batch(ps, slots, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True))
-    assert used == contexts
-    Bundle.unbind(loaded.model)
-    want = loaded.model.prefill_batch(ps, slots, loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got = []
+    for bound in (True, False):
+        if bound:
+            bundle.bind(loaded.model)
+            used = record_contexts(loaded.model.model.layers[1].prefill)
+        caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=bound)
+        logits, start = [], 0
+        for i, lengths in enumerate(steps):
+            ps = [torch.tensor(p) for p in prompts(*lengths, seed=i)]
+            logits.append(loaded.model.prefill_batch(ps, list(range(len(ps))), caches, start=start))
+            start += len(ps[0])
+        got.append(logits)
+        if bound:
+            assert used == contexts
+            Bundle.unbind(loaded.model)
+    for compiled, eager in zip(*got):
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_on_a_bound_model_prefills_its_largest_chunk_a_step(context_bundle, tiny_dir):
+    """As a Session's engine: a step prefills at most the bundle's largest chunk (32), so
+    a 3-token prompt decodes while a 70-token one is still prefilling (with 128 tokens a
+    step, both are prefilled in the first step)."""
+    model = load_model(tiny_dir).model
+    bundle = Bundle.load(context_bundle)
+    bundle.bind(model)
+    kw = dict(max_batch=2, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+    steps = {chunk: generate(model, prompts(3, 70), 4, chunk=chunk, **kw).decode_steps for chunk in (None, 32, 128)}
+    assert steps[None] == steps[32] != steps[128]
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
@@ -175,3 +205,16 @@ def test_caches_of_another_shape_are_an_error_naming_what_to_allocate(tiny_dir):
         generate(model, prompts(4), 2, caches=model.allocate_caches(3, 32), **kw)
     with pytest.raises(AotcError, match=r"caches: expected the kinds \['k', 'v'\]"):
         generate(model, prompts(4), 2, caches={"k": model.allocate_caches(3, 64)["k"]}, **kw)
+
+
+def test_the_prefill_graph_masks_attention_with_a_float_bias(context_bundle):
+    """packing.packed_bias: the prefill graph adds a float32 bias of 0 and -inf to the
+    scores, and no bool mask reaches the softmax (Inductor's CPU softmax kernel over a
+    bool mask in memory ran at a sixth of its speed with the same mask as floats)."""
+    program = torch.export.load(str(context_bundle / "entries" / "LlamaDecoderLayer.prefill" / "b16-c64" / "program.pt2"))
+    nodes = [n for n in program.graph_module.graph.nodes if n.op == "call_function"]
+    softmaxes = [n for n in nodes if "softmax" in str(n.target)]
+    assert softmaxes and not [n for n in nodes if "masked_fill" in str(n.target)]
+    for softmax in softmaxes:
+        scores, bias = softmax.args[0].args
+        assert "add" in str(softmax.args[0].target) and bias.meta["val"].dtype == torch.float32, softmax.args[0].format_node()

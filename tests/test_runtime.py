@@ -225,7 +225,8 @@ def test_decode_runs_the_smallest_context_bucket_that_holds_every_row(context_bu
     bundle = Bundle.load(context_bundle)
     assert bundle.manifest.shapes.context == [64, 256]
     ps = prompts(*lengths)
-    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
+    # Each prompt prefilled in one step (not the bundle's chunk of 32), before any decodes.
+    kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False, chunk=128)
     bundle.bind(loaded.model)
     used = record_contexts(loaded.model.model.layers[1].decode)
     compiled = generate(loaded.model, ps, 10, **kw)

@@ -121,7 +121,7 @@ def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
 
     monkeypatch.setattr(verify_mod.Bundle, "load", loading)
     failed = _problems(verify(tiny_bundle.out))
-    prefill = {("LlamaDecoderLayer.prefill", b, c) for b in (16, 64) for c in (64, 256)}  # 64: the chunk context
+    prefill = {("LlamaDecoderLayer.prefill", b, c) for b in (16, 64) for c in (16, 64, 256) if c >= b}  # 16, 64: the chunk contexts
     assert set(failed) == {("LlamaDecoderLayer.decode", 4, 256)} | prefill, failed
     for problems in failed.values():
         assert problems == [f"program.pt2: the padding rows wrote nothing into any cache's scratch slot {slots - 1}"], problems
@@ -274,7 +274,7 @@ def test_a_chunk_as_long_as_max_seq_is_verified_from_position_0(tiny_dir, tmp_pa
     monkeypatch.setattr(verify_mod, "_record", recording)
     report = verify(out, entry_id="LlamaDecoderLayer.prefill")
     assert report.passed, _problems(report)
-    assert sorted(a.bucket for a in report.artifacts) == [16, 64] and grad_modes and not any(grad_modes)
+    assert sorted((a.bucket, a.context) for a in report.artifacts) == [(16, 16), (16, 64), (64, 64)] and grad_modes and not any(grad_modes)
 
 
 def test_a_chunk_as_long_as_its_context_bucket_is_verified_from_position_0(tiny_dir, tmp_path):
@@ -300,7 +300,7 @@ def test_cache_writes_that_differ_fail_with_their_own_message(tiny_bundle, monke
 
     monkeypatch.setattr(verify_mod.Bundle, "load", loading)
     failed = _problems(verify(tiny_bundle.out))
-    assert set(failed) == {("LlamaDecoderLayer.prefill", b, c) for b in (16, 64) for c in (64, 256)}  # 64: the chunk context
+    assert set(failed) == {("LlamaDecoderLayer.prefill", b, c) for b in (16, 64) for c in (16, 64, 256) if c >= b}  # 16, 64: the chunk contexts
     for problems in failed.values():
         assert [p.partition(":")[0] for p in problems] == [f"program.pt2 wrote {c} differently from eager where eager wrote" for c in ("k_cache", "v_cache")], problems
 

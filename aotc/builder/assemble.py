@@ -25,7 +25,7 @@ def model_record(options, loaded) -> ModelRecord:
 
 def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], BuiltArtifact]) -> Manifest:
     options, backend, loaded, shapes = plan.options, plan.backend, plan.loaded, plan.shapes
-    entries = [_entry(vs[0], [built[v.entry_id, b, v.context].record for v in vs for b in options.buckets(v.spec.bucket)], backend.fp8_reading()) for vs in plan.entries()]
+    entries = [_entry(vs[0], [built[v.entry_id, b, v.context].record for v in vs for b in plan.buckets(v)], backend.fp8_reading()) for vs in plan.entries()]
     return Manifest(
         format_version=FORMAT_VERSION,
         aotc_version=__version__,
@@ -33,7 +33,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], Built
         plugins=list(options.plugins),
         model=model_record(options, loaded),
         backend=BackendRecord(backend.name, backend.version(), backend.flags()),
-        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets), plan.chunk_context),
+        shapes=ShapesRecord(list(options.batch_buckets), list(options.chunk_buckets), shapes.max_seq, shapes.slots, list(options.context_buckets), list(plan.chunk_contexts)),
         parallel=options.layout,
         caches=cache_records(loaded.model, shapes.slots, shapes.max_seq),
         passes=pipeline_identity(backend),

@@ -16,13 +16,12 @@ from ..models.loader import MODELING, modeling_of
 from ..parallel import flag, record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
-# A chat turn runs in one call of 16 or 64 rows instead of padding to 128 (bench section
-# `chat`: 38 tokens in 87 ms against 124 ms as three chunks of 16, SmolLM2 fp32); 64
-# rows already reach the GEMM's rate, so a long prompt loses little to chunks of 64
-# (500 tokens: 741 ms against 692 ms with 128). Each chunk length costs a prefill graph
-# per context bucket, and a third would take the build past 1.3x the time of one length.
-# bench/chunk_buckets.py times sets against each other (docs/performance.md).
-DEFAULT_CHUNK_BUCKETS = (16, 64)
+# A chat turn runs in one call of 16 or 64 rows instead of padding to 128, and a step of
+# several prompts or a long one in calls of 128 (bench/chunk_buckets.py, interleaved,
+# against 16,64: four 38-token prompts 0.89x fp32 and 0.88x bf16, a 500-token prompt
+# 0.82x fp32, for 1.2x the build). 16,32,64,128 gains a little more at four prompts
+# (0.80x) for 1.45x the build; one call of 256 for four prompts was slower (1.16x, fp32).
+DEFAULT_CHUNK_BUCKETS = (16, 64, 128)
 DEFAULT_MAX_SEQ = 1024
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")
 

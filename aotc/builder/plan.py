@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .. import parallel
 from ..backends import Backend
 from ..errors import AotcError
+from ..format.records import bucket_contexts
 from ..layout import graph_weights
 from ..models.loader import LoadedModel, load_model, parse_config, weight_shard
 from ..plugins import load_plugins
@@ -30,13 +31,16 @@ class Plan:
     shapes: Shapes
     variants: list[Variant]
     tasks: list[tuple[Variant, int]]  # every (variant, bucket) of the build, in manifest order
-    chunk_context: int | None = None  # a context only chunk entries are built at (_chunk_context)
+    chunk_contexts: tuple[int, ...] = ()  # contexts only chunk entries are built at (_chunk_contexts)
 
     @functools.cached_property  # once per build: on the generic path it hashes the modeling source
     def code(self) -> dict:
         """What makes the model's graphs beyond aotc's own source (transformers' version and
         modeling source, on the generic path): part of every graph's cache key."""
         return self.loaded.arch.model_class.code_identity(self.loaded.config_dict)
+
+    def buckets(self, v: Variant) -> list[int]:
+        return variant_buckets(v, self.options, self.chunk_contexts)
 
     def entries(self) -> list[list[Variant]]:
         """The variants of each entry, in manifest order: one, or one per context bucket."""
@@ -76,10 +80,18 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     variants = find_variants(loaded.model, shapes)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
-    chunk_context = _chunk_context(options, loaded.model)
-    variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model), chunk_context)
-    tasks = [(v, b) for v in variants for b in options.buckets(v.spec.bucket)]
-    return Plan(options, backend, loaded, shapes, variants, tasks, chunk_context)
+    chunk_contexts = _chunk_contexts(options, loaded.model)
+    variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model), chunk_contexts)
+    tasks = [(v, b) for v in variants for b in variant_buckets(v, options, chunk_contexts)]
+    return Plan(options, backend, loaded, shapes, variants, tasks, chunk_contexts)
+
+
+def variant_buckets(v: Variant, options: BuildOptions, chunk_contexts: tuple[int, ...]) -> list[int]:
+    """The buckets a variant is built at: every bucket of its kind, where its context is
+    one of those the bucket has (format.bucket_contexts: a chunk context, only the
+    chunk buckets it is at least as long as)."""
+    kind = v.spec.bucket
+    return [b for b in options.buckets(kind) if v.context is None or v.context in bucket_contexts(kind, b, chunk_contexts, options.context_buckets)]
 
 
 def with_shards(variant: Variant, model) -> Variant:
@@ -122,25 +134,30 @@ def _contexts(options: BuildOptions, model) -> tuple[int, ...]:
     return options.context_buckets
 
 
-def _chunk_context(options: BuildOptions, model) -> int | None:
-    """The context a prompt's first chunk needs: the largest chunk, where that is below
-    every context bucket and a cache length the model takes. A chunk graph reads all of
-    its context's cache positions, masked or not: SmolLM2's 38-token chat prompt in a
-    chunk of 64 read 256 + 64 keys, of which 38 are its own (attention 16 ms of 88, fp32),
-    and reads 64 + 64 at this context (6.5 ms)."""
-    c = max(options.chunk_buckets)
-    return c if c < min(options.context_buckets) and model.round_max_seq(c) == c else None
+def _chunk_contexts(options: BuildOptions, model) -> tuple[int, ...]:
+    """The contexts only chunk entries are built at, each a cache length the model takes:
+    the chunk buckets below every context bucket, and the doublings of each context bucket
+    below the next (256 -> 512 below 1024). A chunk graph reads all of its context's
+    positions, masked or not, and a chunk of many rows pays for each: SmolLM2 bf16, a
+    500-token prompt in chunks of 128, 550 ms with contexts 256 and 1024, 303 ms with 512
+    too (bench/chunk_buckets.py). Decode's few rows read few keys: it has none of these.
+    Each chunk bucket is built at those at least as long as itself (bucket_contexts)."""
+    contexts = options.context_buckets
+    below = [c for c in options.chunk_buckets if c < contexts[0]]
+    between = [a * 2**k for a, b in zip(contexts, contexts[1:]) for k in range(1, 32) if a * 2**k < b]
+    return tuple(c for c in (*below, *between) if model.round_max_seq(c) == c)
 
 
-def per_context(variants: list[Variant], contexts: tuple[int, ...], chunk_context: int | None = None) -> list[Variant]:
+def per_context(variants: list[Variant], contexts: tuple[int, ...], chunk_contexts: tuple[int, ...] = ()) -> list[Variant]:
     """A variant whose entry reads positions (EntrySpec.context) once per context bucket:
     the same entry, traced at each (its artifacts' dims["context"]); an entry bucketed by
-    chunk also at `chunk_context` (_chunk_context), decode not (its rows read few keys)."""
+    chunk also at the chunk contexts (_chunk_contexts; each bucket at those it fits, as
+    the plan's tasks say), decode not (its rows read few keys)."""
     out = []
     for v in variants:
         if v.spec.context is None:
             out.append(v)
             continue
-        extra = (chunk_context,) if chunk_context is not None and v.spec.bucket == "chunk" else ()
+        extra = chunk_contexts if v.spec.bucket == "chunk" else ()
         out += [dataclasses.replace(v, context=c) for c in (*extra, *contexts)]
     return out

@@ -89,7 +89,7 @@ BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma
 
 
 PREFILL_CHUNK = typer.Option(
-    "16,64", "--prefill-chunk",
+    "16,64,128", "--prefill-chunk",
     help="Prefill chunk lengths, comma-separated: a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
 )  # fmt: skip
 
@@ -102,7 +102,7 @@ CONTEXT = typer.Option(None, "--context", help="With --entry and --bucket: the a
 
 CONTEXT_BUCKETS = typer.Option(
     None, "--context-buckets",
-    help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins). Prefill graphs are also built at the largest --prefill-chunk where that is below them, for a prompt's first chunk.",
+    help="Decode graphs per context length, comma-separated: each reads only the first C cache positions, and a step runs the smallest C that holds its longest sequence (default: 256, 1024, 4096, ... below --max-seq; --max-seq always joins). Prefill graphs are also built at each --prefill-chunk below them and at each context bucket doubled below the next (512 between 256 and 1024), each chunk at those as long as itself: a chunk reads no more positions than that.",
 )  # fmt: skip
 
 

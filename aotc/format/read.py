@@ -120,11 +120,10 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
             want, have, what = sorted(kinds), sorted(a.bucket for a in entry.artifacts), "buckets"
             shapes, per = f"shapes.{entry.bucket_kind} is {kinds}", ""
         else:
-            contexts = manifest.shapes.contexts(entry.bucket_kind)
-            want = sorted((b, c) for b in kinds for c in contexts)
+            want = sorted((b, c) for b in kinds for c in manifest.shapes.contexts(entry.bucket_kind, b))
             have, what = sorted((a.bucket, a.context) for a in entry.artifacts), "(bucket, context) pairs"
-            fields = "shapes.context" + (" and shapes.chunk_context" if entry.bucket_kind == "chunk" else "")
-            shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and its context buckets are {contexts} ({fields})", " at each context bucket"
+            fields = "shapes.context" + (f" and shapes.chunk_contexts {manifest.shapes.chunk_contexts}" if entry.bucket_kind == "chunk" else "")
+            shapes, per = f"shapes.{entry.bucket_kind} is {kinds} and its context buckets are {manifest.shapes.context} ({fields})", " at each context bucket it fits"
         if have != want:
             raise error(f"{source}: entries[{i}].artifacts: {what} {have}, but {shapes}: every bucket needs one artifact{per}. Rebuild the bundle")
     _check_entries(manifest, bad)
@@ -154,8 +153,12 @@ def _check_shapes(m: Manifest, bad) -> None:
             bad(f"shapes.{name}", f"{values} is not a strictly increasing list of positive integers")
     if s.max_seq < 1 or s.context[-1] != s.max_seq:
         bad("shapes.context", f"{s.context} must end at max_seq ({s.max_seq}): the last context bucket reads the whole cache")
-    if s.chunk_context is not None and (s.chunk_context != max(s.chunk) or s.chunk_context >= s.context[0]):
-        bad("shapes.chunk_context", f"{s.chunk_context}: expected the largest chunk ({max(s.chunk)}) where that is below the smallest context bucket ({s.context[0]}), or null")
+    c = s.chunk_contexts
+    if c != sorted(set(c)) or set(c) & set(s.context) or any(x < 1 or x > s.max_seq or (x < s.context[0] and x not in s.chunk) for x in c):
+        bad(
+            "shapes.chunk_contexts",
+            f"{c}: expected increasing cache lengths up to max_seq ({s.max_seq}), none a context bucket ({s.context}), each below the smallest context bucket a chunk bucket ({s.chunk})",
+        )
     if s.cache_slots != max(s.batch) + 1:
         bad("shapes.cache_slots", f"{s.cache_slots}, but the largest batch bucket is {max(s.batch)}: one slot per row plus the scratch slot is {max(s.batch) + 1}")
     kv = m.model.kv_cache

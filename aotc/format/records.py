@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import BundleError
 
-FORMAT_VERSION = 17  # 17: shapes.chunk_context, a context only chunk entries are built at
+FORMAT_VERSION = 18  # 18: shapes.chunk_contexts, contexts only chunk entries are built at, each bucket at those it fits
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -267,14 +267,23 @@ class ShapesRecord:
     max_seq: int
     cache_slots: int  # the largest batch bucket plus one scratch slot
     context: list[int]  # the context buckets, max_seq last
-    chunk_context: int | None  # a context below them that entries bucketed by chunk have too (a prompt's first chunk); None: none
+    chunk_contexts: list[int]  # contexts only chunk entries have: chunk buckets below them, doublings between them (bucket_contexts)
 
     def buckets(self, kind: BucketKind) -> list[int]:
         return self.batch if kind == "batch" else self.chunk
 
-    def contexts(self, kind: BucketKind) -> list[int]:
-        """The context buckets of a context-bucketed entry bucketed by `kind`."""
-        return ([self.chunk_context] if kind == "chunk" and self.chunk_context is not None else []) + self.context
+    def contexts(self, kind: BucketKind, bucket: int) -> list[int]:
+        """The context buckets of a context-bucketed entry bucketed by `kind`, at `bucket`."""
+        return bucket_contexts(kind, bucket, self.chunk_contexts, self.context)
+
+
+def bucket_contexts(kind: BucketKind, bucket: int, chunk_contexts, contexts) -> list[int]:
+    """The contexts an entry that reads positions is built at, at one bucket, in increasing
+    order: every context bucket, and for a chunk bucket also each chunk context at least as
+    long as the chunk. A chunk graph reads all of its context's positions, masked or not:
+    a fresh 38-token chat prompt in a chunk of 64 reads 64 + 64 keys at context 64, 256 +
+    64 at 256."""
+    return sorted([c for c in chunk_contexts if c >= bucket and kind == "chunk"] + list(contexts))
 
 
 @dataclass

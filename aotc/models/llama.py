@@ -30,7 +30,7 @@ from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
 from ..parallel import FIRST, all_gather, all_reduce, group_name, split
 from .base import SCRATCH_SLOT, CausalLM
 from .llama_config import LlamaConfig, local_kv_heads, rope_inv_freq
-from .packing import pack, packed_rows, packed_visible
+from .packing import pack, packed_bias, packed_rows
 from .registry import register_architecture
 
 
@@ -79,9 +79,10 @@ def visible(q_pos: torch.Tensor, max_seq: int, window: int | None) -> torch.Tens
 
 
 def softmax_attend(q, keys, values, mask, scale):
-    # q: [..., Q, hd]; keys, values: [..., S, hd]; mask broadcasts to [..., Q, S]
+    # q: [..., Q, hd]; keys, values: [..., S, hd]; mask broadcasts to [..., Q, S]: bool
+    # (True: attend), or an additive float32 bias of 0 and -inf (packing.packed_bias)
     scores = (q @ keys.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(values.dtype) @ values
 
 
@@ -133,7 +134,7 @@ class LlamaAttention(nn.Module):
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * c, self.head_dim)
         keys = packed_rows(self.k_rows, k_cache, slots, positions, dtype)  # [kv, S + C, hd]
         values = packed_rows(self.v_rows, v_cache, slots, positions, dtype)
-        mask = packed_visible(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
+        mask = packed_bias(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
         out = out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim)
         return all_reduce(self.o_proj(out), self.group)

@@ -65,6 +65,19 @@ def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, wi
     cache's `cached` positions of the first row's sequence (those before the chunk),
     then the chunk's rows (those of the row's own sequence, up to its position).
     Padding rows (the scratch slot, position 0) see each other only."""
+    return torch.cat(_visible_parts(positions, slots, cached, window), dim=1)
+
+
+def packed_bias(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
+    """packed_visible as an additive float32 bias (0 where a row attends, -inf where not),
+    made part by part: a compiled graph keeps the mask in memory as floats, not bools.
+    Inductor's CPU softmax kernel over a bool mask loaded from memory ran at 2.6 ns a
+    score (3.5 ms a layer for a chunk of 128 at context 1024, SmolLM2 bf16), 6x its
+    time with a float bias."""
+    return torch.cat([torch.where(part, 0.0, float("-inf")) for part in _visible_parts(positions, slots, cached, window)], dim=1)
+
+
+def _visible_parts(positions, slots, cached: int, window: int | None):
     q_pos = positions[:, None]  # [C, 1]
     k_pos = torch.arange(cached, device=positions.device)[None, :]
     earlier = (k_pos < positions[:1]) & (slots == slots[:1])[:, None]
@@ -72,4 +85,4 @@ def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, wi
     if window is not None:
         earlier = earlier & (k_pos > q_pos - window)
         own = own & (positions[None, :] > q_pos - window)
-    return torch.cat([earlier, own], dim=1)
+    return earlier, own

@@ -4,8 +4,8 @@ It picks the smallest bucket that fits the rows, pads the activations (dim 0)
 up to it with each input's pad value (padding rows' cache writes go to the
 scratch slot), calls the compiled artifact with this instance's weights, and
 slices the outputs back. An entry built per context bucket runs the graph of
-the smallest bucket that holds the largest position, on views of its caches'
-first positions. An entry that allows it (prefill chunks) runs its rows as
+the smallest context, of those its bucket was built at, that holds the largest
+position, on views of its caches' first positions. An entry that allows it (prefill chunks) runs its rows as
 consecutive calls: whole largest buckets, then the rest at the least cost
 (rows computed plus a call's fixed cost, _covers); for any other, rows beyond the largest
 bucket are an error; each call runs at the context bucket its rows need.
@@ -22,7 +22,7 @@ stay there as `Resident` tensors until torch reads them.
 The dispatchers of one bound model share a `StepMemo`, so that a step's host
 work does not grow with the layer count: an input every layer takes (RoPE
 tables, positions, slots) is padded once, the context bucket of a positions
-tensor is found once, and a padded call's output feeds the next call as the
+tensor is found once per bucket, and a padded call's output feeds the next call as the
 bucket-sized tensor it is (its padding rows are padding rows' results, which
 never reach real rows: rows are independent sequences, or tokens that come
 before them).
@@ -130,8 +130,10 @@ class Dispatcher:
         for art in entry.artifacts:
             self.steps.setdefault(art.context, {})[art.bucket] = steps[art.context, art.bucket]
             self.layouts[art.context] = [(torch.Size(a.shape), tuple(a.stride)) if a.kind == "cache" else None for a in art.inputs]
-        self.contexts = sorted(self.steps, key=lambda c: c or 0)
         self.buckets = sorted({a.bucket for a in entry.artifacts})
+        # contexts[bucket]: the contexts the entry was built at for that bucket, in increasing order
+        # (a chunk bucket also at the chunk contexts at least as long as itself: format.bucket_contexts).
+        self.contexts = {b: sorted((a.context for a in entry.artifacts if a.bucket == b), key=lambda c: c or 0) for b in self.buckets}
         # bucket_for[n]: the smallest bucket holding n rows
         self.bucket_for = [None] + [min(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
         # A split entry's rows past the last whole largest bucket, r of them: the row counts of
@@ -148,15 +150,15 @@ class Dispatcher:
         if not self.split:
             if n > largest:
                 raise BundleError(f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} rows per call, or rebuild with a larger bucket")
-            return self._run(self._context(args), args, n)
+            return self._run(args, n)
         rows = self.pieces(n)
         if len(rows) == 1:
-            return self._run(self._context(args), args, n)
+            return self._run(args, n)
         pieces, start = [], 0
         for i, m in enumerate(rows):
             part = [a if cache else self._rows(a, i, rows, start, m) for a, cache in zip(args, self.arg_is_cache)]
             # Each call at the context bucket of its own rows: a long prompt's first chunks read fewer positions.
-            pieces.append(self._run(self._context(part), part, m, i))
+            pieces.append(self._run(part, m, i))
             start += m
         join = Resident.joined if self.resident else torch.cat
         if self.single:
@@ -181,23 +183,24 @@ class Dispatcher:
         whole, rest = divmod(n, largest)
         return [largest] * whole + (self.cover[rest] if rest else [])
 
-    def _context(self, args) -> int | None:
-        """The smallest context bucket that holds every row's position."""
+    def _context(self, args, bucket: int) -> int | None:
+        """The smallest context the bucket's graphs have that holds every row's position."""
         if self.context_at is None:
             return None
         positions, reach = args[self.context_at], self.memo.reach
-        found = self.memo.get(positions, ("context", reach))
-        if found is not None and found in self.steps:
+        found = self.memo.get(positions, ("context", reach, bucket))
+        if found is not None and bucket in self.steps.get(found, ()):  # another entry's choice: its own contexts
             return found
         need = max(int(positions.max()) + 1, reach)
-        for c in self.contexts:
+        for c in self.contexts[bucket]:
             if c >= need:
-                return self.memo.put(positions, ("context", reach), c)
-        raise BundleError(f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[-1]}); rebuild with a larger --max-seq")
+                return self.memo.put(positions, ("context", reach, bucket), c)
+        raise BundleError(f"{self.entry_id}: position {need - 1} is beyond the cache (max_seq {self.contexts[bucket][-1]}); rebuild with a larger --max-seq")
 
-    def _run(self, context: int | None, args, n: int, call: int = 0):
-        layout = self.layouts[context]
+    def _run(self, args, n: int, call: int = 0):
         bucket = self.bucket_for[n]
+        context = self._context(args, bucket)
+        layout = self.layouts[context]
         flat = []  # the step takes the list over
         for i, (arg, span, cache, dtype, pad) in enumerate(self.plan):
             a = args[arg] if span is None else self._region(args[arg], arg, span)
@@ -337,6 +340,12 @@ def context_floor(memos: list[StepMemo], reach: int) -> Iterator[None]:
     finally:
         for memo in memos:
             memo.reach = 0
+
+
+def largest_chunk(model: torch.nn.Module) -> int | None:
+    """The most rows one call of a bound model's chunked entries (prefill) runs: the
+    largest chunk bucket (None for an eager model, or one without)."""
+    return max((d.buckets[-1] for m in model.modules() for d in vars(m).values() if isinstance(d, Dispatcher) and d.split), default=None)
 
 
 def is_bound(model: torch.nn.Module) -> bool:

@@ -19,7 +19,7 @@ import torch
 from ..errors import AotcError
 from ..kvcache import Regions
 from ..models.base import CausalLM
-from .dispatch import is_bound
+from .dispatch import is_bound, largest_chunk
 from .engine import DEFAULT_CHUNK, Engine, Request
 from .sampling import Choice, SamplingParams
 from .threads import ThreadGovernor
@@ -85,10 +85,11 @@ def generate(
     forced: list[list[int]] | None = None,
     caches: dict | None = None,
     sampling: list[SamplingParams] | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
 ) -> Generation:
     """Every prompt through the engine (runtime.engine: continuous batching, at most
-    max_batch rows decoding at once, `chunk` prompt tokens prefilled per step), greedy
+    max_batch rows decoding at once, `chunk` prompt tokens prefilled per step: by default
+    a bound model's largest chunk bucket, as a Session's engine, else DEFAULT_CHUNK), greedy
     unless `sampling` (one SamplingParams per prompt) says otherwise. Stops a sequence at
     any of eos_ids (default: the model config's eos_token_ids). on_token(i, sequence) runs
     after sequence i (of all prompts) gains a token, for streaming; a true result ends
@@ -121,6 +122,7 @@ def generate(
         caches = model.allocate_caches(slots, max_seq, device, split=is_bound(model))
     else:
         _check_caches(model, caches, slots, max_seq)
+    chunk = chunk or largest_chunk(model) or DEFAULT_CHUNK
     engine = Engine(model, caches, slots=slots, max_seq=max_seq, max_batch=max_batch, chunk=chunk, eos_ids=eos)
     result = Generation([Sequence(list(p)) for p in prompts])
     governor = ThreadGovernor(threads)
