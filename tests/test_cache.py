@@ -25,16 +25,17 @@ from aotc.errors import AotcError
 from aotc.format import CompiledRecord
 from aotc.models.tiny import write_tiny
 
-# A chunk as long as max_seq: no chunk context (builder.plan._chunk_context), one artifact per (entry, bucket).
+# A chunk as long as max_seq: no chunk context (builder.plan._chunk_contexts), one artifact per (entry, bucket).
 OPTIONS = dict(batch_buckets=(1, 2), chunk_buckets=(64,), max_seq=64, backend="export")
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def keys(model, **changes):
-    """By (entry, bucket): max_seq 64 is the one context bucket of every decode artifact."""
+    """By (entry, bucket), at context max_seq (64, the one context bucket) or none: a chunk
+    below it (chunk_buckets=(32, 64)) is also at the chunk context 32, left out here."""
     found = build_keys(BuildOptions(model, **{**OPTIONS, **changes}))
-    assert {c for _, _, c, _ in found} <= {None, 64}
-    return {(e, b): k for e, b, _, k in found}
+    assert {c for _, _, c, _ in found} <= {None, 64, 32}
+    return {(e, b): k for e, b, c, k in found if c in (None, 64)}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     options = dict(batch_buckets=(1, 2, 4, 8), chunk_buckets=(16, 32), max_seq=64, backend="export")
     args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
     held = [LocalCache(cache).lock(key) for key in sorted({k for *_, k in build_keys(BuildOptions(tiny_dir, **options))})]
-    assert len(held) == 12  # 4 decode + 2 prefill at the context and 2 at the chunk context (32) + 4 head
+    assert len(held) == 13  # 4 decode + 2 prefill at the context and 3 at the chunk contexts (16 at 16 and 32, 32 at 32) + 4 head
     for lock in held:
         lock.acquire()
     try:
@@ -153,8 +154,8 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     compiled = [int(re.search(r"(\d+) misses compiled", out).group(1)) for out, _ in outs]
     hits = [int(re.search(r"cache: (\d+) hits", out).group(1)) for out, _ in outs]
-    assert sum(compiled) == 12 and [c + h for c, h in zip(compiled, hits)] == [12, 12], outs
-    assert len(LocalCache(cache).entries()) == 12
+    assert sum(compiled) == 13 and [c + h for c, h in zip(compiled, hits)] == [13, 13], outs
+    assert len(LocalCache(cache).entries()) == 13
 
 
 @pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")

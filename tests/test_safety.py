@@ -283,8 +283,8 @@ def test_an_export_program_is_rebuilt_when_first_run_from_the_bytes_checked_at_l
     Bundle.unbind(model)
     assert got.sequences[0].new_ids == generate(model, [[1, 5, 9]], 3, max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots).sequences[0].new_ids
     ran = [key for key in bundle.programs if checked[key] in rebuilt]
-    # The prompt's chunk ran at the chunk context (64), its decode at max_seq.
-    assert len(rebuilt) == len(ran) and sorted(ran) == [("LMHead.forward", 1, None), ("LlamaDecoderLayer.decode", 1, 256), ("LlamaDecoderLayer.prefill", 16, 64)], ran
+    # The prompt's chunk ran at the chunk context 16, its decode at max_seq.
+    assert len(rebuilt) == len(ran) and sorted(ran) == [("LMHead.forward", 1, None), ("LlamaDecoderLayer.decode", 1, 256), ("LlamaDecoderLayer.prefill", 16, 16)], ran
 
 
 def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
