@@ -71,9 +71,9 @@ def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, wi
 def packed_bias(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
     """packed_visible as an additive float32 bias (0 where a row attends, -inf where not),
     made part by part: a compiled graph keeps the mask in memory as floats, not bools.
-    Inductor's CPU softmax kernel over a bool mask loaded from memory ran at 2.6 ns a
-    score (3.5 ms a layer for a chunk of 128 at context 1024, SmolLM2 bf16), 6x its
-    time with a float bias."""
+    Inductor's CPU softmax kernel over a bool mask loaded from memory is slow: SmolLM2
+    bf16, a chunk of 128 at context 1024, 3.5 ms a layer, 1.5 ms with this bias; a
+    masked softmax over [3, 384, 1152] scores alone, 5.2 ms against 0.81."""
     return torch.cat([torch.where(part, 0.0, float("-inf")) for part in _visible_parts(positions, slots, cached, window)], dim=1)
 
 

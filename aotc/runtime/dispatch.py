@@ -5,10 +5,11 @@ up to it with each input's pad value (padding rows' cache writes go to the
 scratch slot), calls the compiled artifact with this instance's weights, and
 slices the outputs back. An entry built per context bucket runs the graph of
 the smallest context, of those its bucket was built at, that holds the largest
-position, on views of its caches' first positions. An entry that allows it (prefill chunks) runs its rows as
-consecutive calls: whole largest buckets, then the rest at the least cost
-(rows computed plus a call's fixed cost, _covers); for any other, rows beyond the largest
-bucket are an error; each call runs at the context bucket its rows need.
+position, on views of its caches' first positions. An entry that allows it
+(prefill chunks) runs its rows as consecutive calls: whole largest buckets,
+then the rest at the least cost (rows computed plus a call's fixed cost,
+_covers); for any other, rows beyond the largest bucket are an error; each
+call runs at the context its rows need.
 
 A packed cache (aotc.kvcache) that the graph takes as one input per region
 arrives as `Regions`, one allocation per region; each goes to its input.
@@ -22,8 +23,8 @@ stay there as `Resident` tensors until torch reads them.
 The dispatchers of one bound model share a `StepMemo`, so that a step's host
 work does not grow with the layer count: an input every layer takes (RoPE
 tables, positions, slots) is padded once, the context bucket of a positions
-tensor is found once per bucket, and a padded call's output feeds the next call as the
-bucket-sized tensor it is (its padding rows are padding rows' results, which
+tensor is found once per bucket, and a padded call's output feeds the next call
+as the bucket-sized tensor it is (its padding rows are padding rows' results, which
 never reach real rows: rows are independent sequences, or tokens that come
 before them).
 """
