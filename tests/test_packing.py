@@ -9,7 +9,7 @@ import torch
 from aotc.errors import AotcError
 from aotc.kvcache import kv_cache_record
 from aotc.models.loader import load_model
-from aotc.models.packing import pack, packed_visible
+from aotc.models.packing import pack, packed_bias
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
@@ -38,7 +38,13 @@ def test_pack_puts_prompts_one_after_another():
     assert p.last.tolist() == [2, 4]
 
 
-def test_packed_visible_lets_each_row_see_its_own_sequence_only():
+def packed_visible(positions, slots, cached, window=None):
+    bias = packed_bias(positions, slots, cached, window)
+    assert bias.dtype == torch.float32 and set(bias.unique().tolist()) <= {0.0, float("-inf")}
+    return bias == 0
+
+
+def test_packed_bias_lets_each_row_see_its_own_sequence_only():
     """A chunk: the sequence in slot 2 at positions 3 and 4 (0 to 2 cached before the
     chunk), the one in slot 0 from position 0, and a padding row (scratch slot 9)."""
     positions, slots = torch.tensor([3, 4, 0, 1, 2, 0]), torch.tensor([2, 2, 0, 0, 0, 9])

@@ -52,7 +52,7 @@ def pack(prompts: list[torch.Tensor], slots: list[int], start: int = 0) -> Packe
 
 def packed_rows(rows, cache, slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[kv heads, cached + C, head dim]: the keys (or values) a packed chunk attends to, as
-    packed_visible orders them: the first row's sequence's cached positions, then the
+    packed_bias orders them: the first row's sequence's cached positions, then the
     chunk's own rows as the cache holds them (written by this chunk). rows, cache: as
     aotc.kvcache.load takes them."""
     earlier = load(rows, cache, (slots[:1],), dtype)[0]
@@ -60,20 +60,17 @@ def packed_rows(rows, cache, slots: torch.Tensor, positions: torch.Tensor, dtype
     return torch.cat([earlier, own], dim=1)
 
 
-def packed_visible(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
-    """[C, cached + C] bool: the keys each row of a packed chunk attends to; first the
-    cache's `cached` positions of the first row's sequence (those before the chunk),
-    then the chunk's rows (those of the row's own sequence, up to its position).
-    Padding rows (the scratch slot, position 0) see each other only."""
-    return torch.cat(_visible_parts(positions, slots, cached, window), dim=1)
-
-
 def packed_bias(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
-    """packed_visible as an additive float32 bias (0 where a row attends, -inf where not),
-    made part by part: a compiled graph keeps the mask in memory as floats, not bools.
-    Inductor's CPU softmax kernel over a bool mask loaded from memory is slow: SmolLM2
-    bf16, a chunk of 128 at context 1024, 3.5 ms a layer, 1.5 ms with this bias; a
-    masked softmax over [3, 384, 1152] scores alone, 5.2 ms against 0.81."""
+    """[C, cached + C] float32, added to the scores: 0 at the keys each row of a packed
+    chunk attends to, -inf elsewhere. First the cache's `cached` positions of the first
+    row's sequence (those before the chunk), then the chunk's rows (those of the row's
+    own sequence, up to its position). Padding rows (the scratch slot, position 0) see
+    each other only.
+
+    A bias, made part by part, and not a bool mask: a compiled graph keeps the mask in
+    memory as floats. Inductor's CPU softmax kernel over a bool mask loaded from memory
+    is slow: SmolLM2 bf16, a chunk of 128 at context 1024, 3.5 ms a layer, 1.5 ms with
+    this bias; a masked softmax over [3, 384, 1152] scores alone, 5.2 ms against 0.81."""
     return torch.cat([torch.where(part, 0.0, float("-inf")) for part in _visible_parts(positions, slots, cached, window)], dim=1)
 
 

@@ -13,7 +13,7 @@ from ... import parallel
 from ...entry import freezer
 from ...errors import ConfigError
 from ...kvcache import load, store
-from ..packing import packed_rows, packed_visible
+from ..packing import packed_bias, packed_rows
 from .config import ATTENTION, EXPERTS
 
 
@@ -120,15 +120,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     scores = (q @ key.transpose(-1, -2)).float() * scale  # [B, kv, rep * T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    if slots is not None:  # [T, S] -> a row per (query head of a KV head, token)
-        seen = packed_visible(positions[0], slots, s - t, sliding_window or None).repeat(rep, 1)
+    if slots is not None:  # [T, S] -> a row per (query head of a KV head, token); as a float bias, as llama's (packing.packed_bias says why)
+        scores = scores + packed_bias(positions[0], slots, s - t, sliding_window or None).repeat(rep, 1)
     else:
         k_pos = torch.arange(s, device=query.device)
         q_pos = positions[:, None, None, :].expand(b, 1, rep, t).reshape(b, 1, rep * t, 1)
         seen = k_pos <= q_pos
         if sliding_window:
             seen = seen & (k_pos > q_pos - sliding_window)
-    scores = scores.masked_fill(~seen, float("-inf"))
+        scores = scores.masked_fill(~seen, float("-inf"))
     if s_aux is not None:  # attention sinks: a per-head logit that takes probability but gives no value
         sinks = s_aux.float().view(1, kv_heads, rep, 1).expand(b, -1, -1, t).reshape(b, kv_heads, rep * t, 1)
         probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
