@@ -100,6 +100,18 @@ def layer_views(cache) -> list:
     return views
 
 
+def copy_positions(cache, dim: int, src: int, dst: int, n: int) -> None:
+    """Positions 0..n-1 of slot src into slot dst (dim 1 is the slot, `dim` the positions),
+    in every region of a packed kind, by the device that holds the cache (torch's copy on
+    a host or CUDA tensor; a resident device's own, per layer): nothing crosses to the host."""
+    for part in cache.tensors.values() if isinstance(cache, Regions) else [cache]:
+        if isinstance(part, torch.Tensor):
+            part.select(1, dst).narrow(dim - 1, 0, n).copy_(part.select(1, src).narrow(dim - 1, 0, n))
+            continue
+        for layer in part.layers:  # runtime.resident.DeviceCaches: a DeviceBuffer per layer
+            layer.value = layer.device.copy_positions(layer.value, dim - 1, src, dst, n)
+
+
 class Regions:
     """A packed cache held as one allocation per region, by the region's byte range in
     the packed row (how a graph's inputs name them: format.RegionSpec). Indexing

@@ -357,3 +357,30 @@ def test_a_routing_table_naming_an_expert_that_does_not_exist_is_a_checkpoint_er
     r = CliRunner().invoke(app, ["run", str(path), "--eager", "--prompt", "Hello", "--max-new-tokens", "2"])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and f"model.safetensors: tensor '{name}' sends token 7 to expert 4 (slot 1); expected expert indices 0..3" in said, r.output
+
+
+def test_a_shared_prefix_reuses_every_cache_kind_at_a_window_boundary_and_inside_one(pair):
+    """The prefix cache on V4 (eager): the sliding window's keys, the compressors' projections
+    and their entries copied between slots, for prefixes that end inside a compressor
+    window and on one; each request answers as it does alone."""
+    from aotc.runtime.engine import Engine
+
+    _, _, ours = pair
+    model = ours.model
+    c = model.config
+    slots, max_seq = 4, model.round_max_seq(256)
+    caches = model.allocate_caches(slots, max_seq)
+    engine = lambda prefix_cache: Engine(model, caches, slots=slots, max_seq=max_seq, chunk=64, prefix_cache=prefix_cache)  # noqa: E731
+    shared = ids_of(150, 7).tolist()
+    rate = max(c.compress_rate_csa, c.compress_rate_hca)
+    for n in (rate * (130 // rate), rate * (130 // rate) + 3):  # on a window's end, and 3 positions into the next
+        served = engine(True)
+        running = served.submit(shared, 40)
+        while not running.new_ids:
+            served.step()
+        again = served.submit(shared[:n] + ids_of(12, n).tolist(), 8)  # copied from the running request's slot
+        served.run()
+        alone = engine(False)
+        solo = alone.submit(again.prompt_ids, 8)
+        alone.run()
+        assert again.cached == n and again.slot != running.slot and again.new_ids == solo.new_ids, n

@@ -343,6 +343,29 @@ def test_fp8_bundle_matches_the_eager_fp8_path_token_for_token(fp8_bundle, tiny_
     assert_generation_matches_eager(fp8_bundle.out, tiny_dir, long_prompt=40, exact=True)
 
 
+def test_a_prefix_of_an_fp8_cache_is_copied_with_its_scales(fp8_bundle, tiny_dir):
+    """The prefix cache over fp8 regions (values and their per-row scales, separate
+    allocations): a prompt sharing 70 tokens with a running one answers as it does alone."""
+    from aotc.runtime import Bundle
+    from aotc.runtime.engine import Engine
+
+    bundle, model = Bundle.load(fp8_bundle.out), load_model(tiny_dir, kv_cache=FP8).model
+    bundle.bind(model)
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    engine = lambda prefix_cache: Engine(model, caches, slots=bundle.cache_slots, max_seq=bundle.max_seq, chunk=16, prefix_cache=prefix_cache)  # noqa: E731
+    shared = list(range(10, 80))
+    served = engine(True)
+    running = served.submit(shared + [3], 30)
+    while not running.new_ids:
+        served.step()
+    again = served.submit(shared + [4, 5], 8)
+    served.run()
+    alone = engine(False)
+    solo = alone.submit(again.prompt_ids, 8)
+    alone.run()
+    assert again.cached == 70 and again.slot != running.slot and again.new_ids == solo.new_ids
+
+
 def test_cli_builds_runs_and_shows_an_fp8_cache_bundle(fp8_bundle, tiny_dir, tmp_path):
     import json
 

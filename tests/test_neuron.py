@@ -412,6 +412,7 @@ def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tin
     sends at most 1% of the weight bytes (its activations, refilled in place); only
     outputs torch reads (the logits, prefill's last row) come back."""
     from aotc.models.loader import load_model
+    from aotc.runtime.engine import Engine
     from aotc.runtime.resident import buffers
 
     bundle, model = Bundle.load(simulated_bundle), load_model(tiny_dir).model
@@ -430,6 +431,9 @@ def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tin
     assert max(neuron_host.before_execution) <= 0.01 * weight_bytes, max(neuron_host.before_execution)
     assert all(neuron_host.per_tensor[id(t)] == [0, 0] for t in held)  # caches: nothing sent, nothing read
     assert neuron_host.to_host == 16 * model.config.hidden_size * 4 + 31 * model.config.vocab_size * 4  # a chunk's rows for x[-1:], then logits
+    # nrtpy has no copy between device tensors: the prefix cache is off, and says so.
+    engine = Engine(model, caches, slots=bundle.cache_slots, max_seq=bundle.max_seq, chunk=16, prefix_cache=True)
+    assert engine.prefix is None and engine.prefix_off == "NeuronDevice has no copy between cache slots"
 
 
 def test_the_nrtpy_double_refuses_what_nrtpy_refuses(tmp_path):

@@ -108,7 +108,8 @@ def test_completions_and_chat_parse_strictly_and_give_the_sessions_tokens(served
     assert [ch.choices[0].finish_reason for ch in chunks[:-2]] == [None] * (len(chunks) - 2)  # null until the last
     last, usage = chunks[-2], chunks[-1]
     assert last.choices[0].finish_reason == chat.choices[0].finish_reason and last.choices[0].delta.content is None
-    assert usage.choices == [] and usage.usage == chat.usage
+    assert usage.choices == [] and usage.usage.model_copy(update={"prompt_tokens_details": None}) == chat.usage.model_copy(update={"prompt_tokens_details": None})
+    assert usage.usage.prompt_tokens_details.cached_tokens == usage.usage.prompt_tokens - 1  # the same prompt again: all but its last token
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1]) == chat.choices[0].message.content
     assert all(ch.usage is None for ch in chunks[:-1])
 
@@ -424,3 +425,16 @@ def test_without_the_serve_extra_the_command_says_what_to_install(bundle, monkey
     monkeypatch.delitem(sys.modules, "aotc.server.run", raising=False)
     r = CliRunner().invoke(app, ["serve", str(bundle)])
     assert r.exit_code == 2 and "aotc serve needs the serve extra (uvicorn is missing): pip install 'aotc[serve]'" in " ".join(r.output.split()), r.output
+
+
+def test_a_prompt_that_starts_like_an_earlier_one_skips_its_prefill_and_says_so(served, session):
+    """The prefix cache, on by default: 200 shared prompt tokens are found, counted in
+    /metrics and in usage.prompt_tokens_details.cached_tokens, and the text is the Session's."""
+    shared = list(range(20, 220))
+    queries, hits = served.metric("prefix_cache_queries_total"), served.metric("prefix_cache_hits_total")
+    first = served.client.completions.create(model=NAME, prompt=shared + [5, 6, 7], max_tokens=8, temperature=0)
+    second = served.client.completions.create(model=NAME, prompt=shared + [9, 10], max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 200 and first.usage.prompt_tokens == 203
+    assert served.metric("prefix_cache_queries_total") - queries == 203 + 202
+    assert served.metric("prefix_cache_hits_total") - hits == 200 + first.usage.prompt_tokens_details.cached_tokens
+    assert second.choices[0].text == greedy_text(session, shared + [9, 10], 8).text

@@ -275,3 +275,44 @@ def test_near_ties_match_eager_up_to_the_tie(xla_bundle, tmp_path):
     model, result = xla_bundle
     near_ties = write_tiny(tmp_path / "near-ties", arch=model.name, layers=2, head_std=0.02)
     assert assert_generation_matches_eager(result.out, near_ties) < 1e-2
+
+
+def test_the_prefix_cache_copies_between_slots_on_the_device(xla_bundle):
+    """A prompt sharing 40 tokens with a running one: the JAX device copies them between
+    slots itself (no byte to or from the host beyond the steps' own activations and logits),
+    and the request answers as it does alone."""
+    from aotc.runtime.engine import Engine
+
+    model_dir, result = xla_bundle
+    bundle, model = Bundle.load(result.out), load_model(model_dir).model
+    bundle.bind(model)
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
+    device = bundle.backend.device_for()
+
+    def engine(prefix_cache):
+        return Engine(model, caches, slots=bundle.cache_slots, max_seq=bundle.max_seq, chunk=16, prefix_cache=prefix_cache)
+
+    shared = list(range(3, 43))
+    alone = engine(False)
+    solo = alone.submit(shared + [50, 51], 6)
+    alone.run()
+    served = engine(True)
+    assert served.prefix_off is None
+    first = served.submit(shared + [7], 12)
+    while not first.new_ids:
+        served.step()
+    crossed = []
+    copy = device.copy_positions
+
+    def watched(*args):  # the bytes that cross during each copy
+        before = device.sent + device.received
+        out = copy(*args)
+        crossed.append(device.sent + device.received - before)
+        return out
+
+    device.copy_positions = watched
+    second = served.submit(shared + [50, 51], 6)
+    served.run()
+    assert second.cached == 40 and second.slot != first.slot
+    assert crossed == [0] * 2 * len(model.model.layers)  # k and v, layer by layer, on the device
+    assert second.new_ids == solo.new_ids

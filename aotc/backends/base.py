@@ -113,6 +113,16 @@ class Device:
         such as aotc verify start a cache from values)."""
         return t
 
+    # A resident device that copies between cache slots itself (copy_positions); the prefix
+    # cache (runtime.prefix) needs it. Host tensors are copied by torch, on their own device.
+    copies: ClassVar[bool] = False
+
+    def copy_positions(self, value, dim: int, src: int, dst: int, n: int) -> Any:
+        """A layer's cache allocation (a resident device's) with positions 0..n-1 of slot src
+        (dim 0 is the slot, `dim` the positions) copied into slot dst by the device itself:
+        the array that replaces it (a donated JAX array is written in place)."""
+        raise NotImplementedError(f"{type(self).__name__} has no copy between cache slots")
+
 
 HOST = Device()
 

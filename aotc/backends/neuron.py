@@ -179,6 +179,8 @@ class NeuronDevice(Device):
     into staging tensors of their own (write_from_numpy), results read with numpy()."""
 
     resident = True
+    # copies stays False: nrtpy documents no copy from one device tensor to another (from_numpy,
+    # write_from_numpy and numpy only); a copy between cache slots needs a NEFF of its own.
 
     def __init__(self, core_id: int):
         import nrtpy

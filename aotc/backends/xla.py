@@ -42,6 +42,7 @@ class JaxDevice(Device):
     outputs copied out. It counts the bytes that cross."""
 
     resident = True
+    copies = True
 
     def __init__(self, index: int = 0):
         import jax
@@ -49,6 +50,7 @@ class JaxDevice(Device):
         self.jax_device = jax.local_devices()[index]
         self.sent = self.received = self.placed = 0  # bytes: host -> device per call, device -> host, weights
         self._placed: dict[int, tuple[torch.Tensor, object]] = {}
+        self._copies: dict[int, object] = {}  # copy_positions' jitted program, by positions dim
 
     def place(self, weight: torch.Tensor):
         found = self._placed.get(id(weight))
@@ -83,6 +85,23 @@ class JaxDevice(Device):
 
     def hold(self, t: torch.Tensor):
         return self.put(t)  # an array of XLA's own, donatable
+
+    def copy_positions(self, value, dim: int, src: int, dst: int, n: int):
+        # One jitted program per cache shape and dim, the slots and count its arguments; the
+        # cache donated, so XLA writes the copied rows into the cache's own buffer.
+        import jax
+
+        copy = self._copies.get(dim)
+        if copy is None:
+            import jax.numpy as jnp
+
+            def rows(cache, src, dst, n):
+                at = jnp.arange(cache.shape[dim])
+                keep = (at < n).reshape([-1 if d == dim - 1 else 1 for d in range(cache.ndim - 1)])
+                return cache.at[dst].set(jnp.where(keep, cache[src], cache[dst]))
+
+            copy = self._copies[dim] = jax.jit(rows, donate_argnums=0)
+        return copy(value, src, dst, n)
 
 
 class JaxProgram(Program):

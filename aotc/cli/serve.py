@@ -33,6 +33,11 @@ def serve(
         min=0.0,
         help="Seconds a SIGTERM lets running requests finish (new ones get 503); streams still running then end with an error event and the exit status is 1.",
     ),
+    prefix_cache: bool = typer.Option(
+        True,
+        "--prefix-cache/--no-prefix-cache",
+        help="Reuse what the cache slots hold of a new prompt's first tokens (a shared system prompt, a conversation's earlier turns): its prefill starts after them.",
+    ),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, show_default=False, help="CPU threads per kernel (default: the CPUs that other processes leave free)."),
     expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="HEX: refuse the bundle unless its digest is this one."),
     plugin: list[str] = PLUGIN,
@@ -65,19 +70,25 @@ def serve(
     except AotcError as e:
         _fail(e)
     if session.rank != 0:  # its service steps with rank 0's, until rank 0's closes
-        session.service().close()
+        session.service(prefix_cache=prefix_cache).close()
         session.close()
         raise typer.Exit(0)
     name = served_model_name or Path(path).resolve().name
+
+    def ready(address: str) -> None:
+        off = session._service.engine.prefix_off
+        prefix = "on" if off is None else "off" if not prefix_cache else f"off: {off}"
+        console.print(f"serving {name} on http://{address} (slots {session.bundle.capacity}, max_seq {session.bundle.max_seq}, prefix cache {prefix})", highlight=False)
+
     try:
         status = run_server(session, name=name, host=host, port=port, api_keys=api_key, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
-                            ready=lambda address: console.print(f"serving {name} on http://{address} (slots {session.bundle.capacity}, max_seq {session.bundle.max_seq})", highlight=False))  # fmt: skip
+                            prefix_cache=prefix_cache, ready=ready)  # fmt: skip
     finally:
         session.close()
     raise typer.Exit(status)
 
 
-SERVE_ARGUMENTS = ("model", "revision", "host", "port", "served_model_name", "api_key", "max_queue", "shutdown_timeout", "threads", "expect_digest", "plugin")
+SERVE_ARGUMENTS = ("model", "revision", "host", "port", "served_model_name", "api_key", "max_queue", "shutdown_timeout", "prefix_cache", "threads", "expect_digest", "plugin")
 
 
 def serve_rank(**arguments) -> int:

@@ -124,6 +124,15 @@ class CausalLM(nn.Module):
         """Root cache allocations, layer-major: {kind: (shape, dtype)}."""
         raise NotImplementedError
 
+    def cache_positions(self) -> dict[str, tuple[int, int]] | None:
+        """Each cache kind's (positions dim, positions per row): dim 1 is the slot, and a
+        slot's first n // per rows there hold exactly what its sequence's first n tokens
+        made (per > 1: a compressed cache's entries, one per window of `per` positions,
+        written when a window closes). The prefix cache copies those between slots
+        (runtime.prefix). None: some kind is not indexed by position (a ring buffer, state
+        carried from one position to the next), and no prefix is reused."""
+        return None
+
     def cache_rows(self) -> dict[str, Fp8Rows]:
         """The packed cache kinds (uint8 rows of fp8 values and their scales; aotc.kvcache):
         {kind: rows}. A packed row read back is the row of the model's float32 twin

@@ -275,6 +275,9 @@ class LlamaForCausalLM(CausalLM):
     def cache_rows(self):
         return {kind: rows for kind, rows in fp8_rows(self.config).items() if rows is not None}
 
+    def cache_positions(self):
+        return {"k": (3, 1), "v": (3, 1)}  # [layers, slots, kv_heads, positions, row]
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [N] -> cos, sin: [N, hd], rows of tables computed as transformers
         # computes them per position (float32, then cast)

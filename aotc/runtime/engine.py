@@ -6,7 +6,9 @@ at a time (`step()`), in the thread that calls it. Each cache slot but the last 
 most one request; the last is the scratch slot that padding rows write. A step:
 
     1. frees the slots of finished and aborted requests; waiting requests take free
-       slots, first come first served;
+       slots, first come first served (with the prefix cache, each takes the longest
+       prefix of its prompt that any slot holds, copied into its slot, and its prefill
+       starts after it: runtime.prefix);
     2. one decode call over every decoding row, row i in slot i (the dispatcher pads them
        to the smallest batch bucket and context bucket that hold them, padding rows
        writing the scratch slot), each row's next token chosen by its request's sampler;
@@ -48,9 +50,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AotcError
+from ..kvcache import Regions, copy_positions
 from ..models.base import CausalLM
 from ..parallel import data_parallel, settled
 from .dispatch import context_floor, step_memos
+from .prefix import PrefixIndex
 from .sampling import Choice, Sampler, SamplingParams
 
 GREEDY = SamplingParams()
@@ -76,6 +80,7 @@ class Request:
     stopped: bool = False  # on_token ended it (a stop string)
     slot: int | None = None
     prefilled: int = 0  # prompt tokens in the cache
+    cached: int = 0  # of them, copied from another sequence's cache by the prefix cache (runtime.prefix), not computed
     first_token_at: float | None = None
 
     @property
@@ -97,6 +102,8 @@ class EngineStats:
     steps: int = 0
     exchange_s: float = 0.0  # data-parallel ranks: the all-gathers of each step's tokens
     idle_calls: int = 0  # data-parallel ranks: calls this rank ran with no row of its own, in lockstep
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found in a slot and not prefilled
 
 
 class Engine:
@@ -104,10 +111,12 @@ class Engine:
     `slots` cache slots, the last the scratch slot, and `max_seq` positions). max_batch:
     the most rows decoding at once (at most slots - 1: the bundle's largest batch bucket),
     on each rank where the model's ranks run data-parallel attention (module docstring).
-    chunk: the most prompt tokens one step prefills (the bundle's prefill chunk)."""
+    chunk: the most prompt tokens one step prefills (the bundle's prefill chunk).
+    prefix_cache: reuse what slots hold of a new prompt's prefix (runtime.prefix); where
+    the model or its caches cannot, `prefix_off` says why and none is reused."""
 
     def __init__(self, model: CausalLM, caches: dict, *, slots: int, max_seq: int, max_batch: int | None = None,
-                 chunk: int = 128, eos_ids: Iterable[int] = ()):  # fmt: skip
+                 chunk: int = 128, eos_ids: Iterable[int] = (), prefix_cache: bool = False):  # fmt: skip
         if slots < 2:
             raise AotcError(f"slots: {slots}; expected at least 2 (one request and the scratch slot)")
         self.model, self.caches, self.max_seq, self.chunk = model, caches, max_seq, chunk
@@ -131,6 +140,23 @@ class Engine:
         # The ranks of a parallel service: agree(tokens) returns rank 0's tokens for the
         # step's rows (a broadcast), so that every rank's requests go on alike.
         self.agree: Callable[[list[int]], list[int]] | None = None
+        self.positions = model.cache_positions()  # each cache kind's (positions dim, positions per row), for the prefix cache's copies
+        self.prefix_off = self._prefix_refusal() if prefix_cache else "not asked for"
+        self.prefix = PrefixIndex(self.capacity) if self.prefix_off is None else None
+
+    def _prefix_refusal(self) -> str | None:
+        """Why this engine cannot reuse prefixes, or None."""
+        if self.ranks > 1:
+            return "data-parallel attention ranks each hold their own requests' slots"
+        if self.positions is None:
+            return f"{type(self.model).__name__} keeps a cache that is not indexed by position alone (cache_positions)"
+        for kind in self.positions:
+            cache = self.caches[kind]
+            for part in cache.tensors.values() if isinstance(cache, Regions) else [cache]:
+                device = None if isinstance(part, torch.Tensor) else part[0].device
+                if device is not None and not device.copies:
+                    return f"{type(device).__name__} has no copy between cache slots"
+        return None
 
     # -- requests ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None = None, **more) -> Request:
@@ -186,7 +212,7 @@ class Engine:
             request = self.waiting.popleft()
             if request.done:  # aborted while waiting
                 continue
-            request.slot = self._free_slot()
+            request.slot = self._free_slot() if self.prefix is None else self._placed(request)
             self.prefilling.append(request)
         if self.ranks > 1:
             self._lockstep()
@@ -212,12 +238,40 @@ class Engine:
         self.free.remove(slot)
         return slot
 
+    def _placed(self, request: Request) -> int:
+        """A free slot for the request, holding the longest prefix of its prompt that any
+        slot holds: the slot itself where it is free, else copied there (one copy per cache
+        kind and region, on the caches' device). Its prefill starts after the prefix."""
+        prompt, index = request.prompt_ids, self.prefix
+        source, n = index.lookup(prompt)
+        slot = source if source in self.free else index.pick(self.free)
+        self.free.remove(slot)
+        if n and source != slot:
+            for kind, (dim, per) in self.positions.items():
+                copy_positions(self.caches[kind], dim, source, slot, n // per)
+            index.touch(source)
+        index.hold(slot, prompt[:n])  # what the slot held past the prefix is overwritten from here
+        request.prefilled = request.cached = n
+        self.stats.prefix_queries += len(prompt)
+        self.stats.prefix_hits += n
+        return slot
+
     def _release(self) -> None:
         for group in (self.prefilling, self.decoding):
             if any(r.done for r in group):
-                self.free = sorted(self.free + [r.slot for r in group if r.done])
+                self._free([r for r in group if r.done])
                 group[:] = [r for r in group if not r.done]
                 self._carry = None
+
+    def _free(self, requests: list[Request]) -> None:
+        """The slots of ended requests are free; with the prefix cache, each keeps what its
+        request wrote: the prompt as far as it was prefilled and, once it was, every chosen
+        token but the last (no step fed that one back)."""
+        self.free = sorted(self.free + [r.slot for r in requests])
+        for r in requests if self.prefix is not None else ():
+            whole = r.prefilled == len(r.prompt_ids)
+            self.prefix.hold(r.slot, r.prompt_ids + r.new_ids[:-1] if whole else r.prompt_ids[: r.prefilled])
+            self.prefix.touch(r.slot)
 
     def _decode(self) -> None:
         # Row i of a decode graph is cache slot i, and its attention reads slots 0..B-1 as a
@@ -238,7 +292,9 @@ class Engine:
             owner = {r.slot: r for r in rows}
             filling = {r.slot: r.prefilled for r in self.prefilling}
             ids = torch.tensor([owner[s].new_ids[-1] if s in owner else 0 for s in range(b)], device=self.device)
-            positions = torch.tensor([owner[s].position if s in owner else filling.get(s, 0) for s in range(b)], device=self.device)
+            reach = max(r.position for r in rows)
+            positions = [owner[s].position if s in owner else filling[s] if s in filling else self._dead_position(s, reach) for s in range(b)]
+            positions = torch.tensor(positions, device=self.device)
         t0 = time.perf_counter()
         logits = self.model.decode(ids, positions, self.caches)  # [B, vocab]
         chosen = self._take(rows, logits if b == len(rows) else logits[[r.slot for r in rows]])
@@ -247,6 +303,17 @@ class Engine:
         self._carry = (chosen, positions) if chosen is not None and b == len(rows) else None
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += 1
+
+    def _dead_position(self, slot: int, reach: int) -> int:
+        """Where a free slot's dead decode row writes: position 0, or with the prefix cache
+        just past what the slot holds, which it keeps up to `reach` (the step's furthest
+        row: a dead row must not take the step to a larger context bucket)."""
+        if self.prefix is None:
+            return 0
+        held = self.prefix.held[slot]
+        if len(held) > reach:
+            self.prefix.hold(slot, held[:reach])
+        return min(len(held), reach)
 
     def _prefill(self) -> None:
         # The oldest request's next tokens first (it may continue what the cache holds), then
@@ -265,13 +332,15 @@ class Engine:
         for i, (request, start, n) in enumerate(pieces):
             request.prefilled = start + n
             self.stats.prefill_tokens += n
+            if self.prefix is not None:  # a running prompt's prefix is found as soon as it is written
+                self.prefix.hold(request.slot, request.prompt_ids[: request.prefilled])
             if request.prefilled == len(request.prompt_ids):
                 finished.append(request)
                 rows.append(i)
         if finished:
             self._take(finished, logits[rows])
             self.prefilling = [r for r in self.prefilling if r not in finished]
-            self.free = sorted(self.free + [r.slot for r in finished if r.done])  # its first token ended it
+            self._free([r for r in finished if r.done])  # its first token ended it
             started = [r for r in finished if not r.done]
             if started:
                 self.decoding = sorted(self.decoding + started, key=lambda r: r.slot)

@@ -174,16 +174,17 @@ class Service:
     """A Session's engine, stepped on a thread of its own (module docstring). Open it with
     session.service(); close it (or leave its `with`) to stop the thread. max_waiting:
     the most requests that may wait while every slot is taken; one more is refused
-    (QueueFull)."""
+    (QueueFull). prefix_cache: reuse what cache slots hold of a new prompt's prefix
+    (runtime.prefix)."""
 
-    def __init__(self, session: Session, *, max_waiting: int | None = None):
+    def __init__(self, session: Session, *, max_waiting: int | None = None, prefix_cache: bool = True):
         if max_waiting is not None and max_waiting < 0:
             raise AotcError(f"max_waiting: {max_waiting}; expected a count >= 0, or None for no limit")
         b = session.bundle
         self.session, self.max_waiting = session, max_waiting
         self.engine = Engine(
             session.model, session._caches, slots=b.cache_slots, max_seq=b.max_seq, chunk=max(b.manifest.shapes.chunk),
-            eos_ids=session.defaults.eos_token_ids,
+            eos_ids=session.defaults.eos_token_ids, prefix_cache=prefix_cache,
         )  # fmt: skip
         self.rank, self.world_size = session.rank, session.world_size
         self.error: BaseException | None = None  # what stopped the engine thread, if it failed

@@ -140,18 +140,20 @@ class Session:
         A parallel bundle's rank 0 checks against the whole eager model; the others get None."""
         return self.generate(prompts, max_new_tokens=max_new_tokens, chat=chat, check=True).check
 
-    def service(self, *, max_waiting: int | None = None):
+    def service(self, *, max_waiting: int | None = None, prefix_cache: bool = True):
         """This Session's engine on a thread of its own, taking requests from any thread or
         asyncio task (runtime.service.Service: submit() returns a handle to iterate, await
         or abort), as a server runs it. One at a time; while it runs, generate() is refused.
         max_waiting: the most requests waiting while every slot is taken; one more is
-        refused (QueueFull)."""
+        refused (QueueFull). prefix_cache: a prompt that starts like one a cache slot holds
+        skips the shared part of its prefill (runtime.prefix; service.engine.prefix_off
+        says why not, where the model or backend cannot)."""
         from .service import Service
 
         self.model  # a closed Session says so
         if self._service is not None:
             raise AotcError("this Session already has a service running; close it before opening another")
-        self._service = Service(self, max_waiting=max_waiting)
+        self._service = Service(self, max_waiting=max_waiting, prefix_cache=prefix_cache)
         return self._service
 
     def close(self) -> None:

@@ -51,13 +51,19 @@ class Metrics:
         self.prompt_tokens = Counter("aotc:prompt_tokens", "Prompt tokens of the requests served", label, registry=r).labels(name)
         self.generation_tokens = Counter("aotc:generation_tokens", "Tokens generated", label, registry=r).labels(name)
         self.success = Counter("aotc:request_success", "Requests that ended, by finish reason", ["model_name", "finished_reason"], registry=r)
-        self.name = name
+        # As vLLM's vllm:prefix_cache_queries and _hits, in tokens: hits are the prefill tokens saved.
+        self.prefix_queries = Counter("aotc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", label, registry=r).labels(name)
+        self.prefix_hits = Counter("aotc:prefix_cache_hits", "Prompt tokens found in the prefix cache, not prefilled", label, registry=r).labels(name)
+        self.name, self.service = name, service
 
     def ended(self, handle: Handle, arrived: float, times: list[float]) -> None:
         r = self.request_counts(handle)
         self.prompt_tokens.inc(r[0])
         self.generation_tokens.inc(r[1])
         self.success.labels(self.name, handle.request.finish_reason or "abort").inc()
+        if handle.request.slot is not None and self.service.engine.prefix is not None:  # it took a slot: it was looked up
+            self.prefix_queries.inc(r[0])
+            self.prefix_hits.inc(handle.request.cached)
         if times:
             self.ttft.observe(times[0] - arrived)
             for a, b in zip(times, times[1:]):
@@ -349,7 +355,8 @@ def _reason(finish: str) -> str | None:
 
 def _usage(handle: Handle) -> dict:
     prompt, new = Metrics.request_counts(handle)
-    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+    usage = {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+    return usage | {"prompt_tokens_details": {"cached_tokens": handle.request.cached}}  # as OpenAI's usage reports its prompt cache
 
 
 def _param_of(message: str) -> str | None:

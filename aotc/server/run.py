@@ -21,12 +21,12 @@ from ..errors import AotcError
 log = logging.getLogger("aotc.serve")
 
 
-def serve(session, *, name: str, host: str, port: int, api_keys: list[str], max_queue: int, shutdown_timeout: float, ready=None) -> int:
+def serve(session, *, name: str, host: str, port: int, api_keys: list[str], max_queue: int, shutdown_timeout: float, prefix_cache: bool = True, ready=None) -> int:
     """Serve `session` until a signal ends it; the exit status. ready(): called once the
     socket listens (the CLI prints the address)."""
     from .app import Server
 
-    service = session.service(max_waiting=max_queue)
+    service = session.service(max_waiting=max_queue, prefix_cache=prefix_cache)
     server = Server(session, service, name, api_keys)
     config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1)
     drainer = Draining(config, server, shutdown_timeout, ready)

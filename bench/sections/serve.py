@@ -13,12 +13,20 @@ same requests through `generate` under the same closed loop, a group being what 
 when the last one ends (up to 8), run to its end. aiperf's figures: output tokens per
 second over the run, time to first token and inter-token latency, p50 and p99.
 Issue 68's targets: aotc's throughput at least llama-server's, and at least 2x static
-groups'."""
+groups'.
+
+Then the prefix cache (issue 80): a chat workload whose requests share a 500-token
+system prompt (aiperf's --shared-system-prompt-length; 200 under --quick), against
+`aotc serve` with its prefix cache and with --no-prefix-cache, and llama-server with its
+prompt cache (cache_prompt, on by default: a slot keeps its last prompt, and a request
+goes to the slot whose prompt it shares most with). A bundle of max_seq 1024 (the tiny
+model: 512). Time to first token p50 and p99 and output tokens per second."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,6 +89,7 @@ def serve(run: Run) -> dict:
     if inputs[ours] != inputs[peer]:
         raise SystemExit(f"serve: aiperf sent different requests to {ours} and {peer} (the same --random-seed should make them equal)")
     measured["static groups"] = _static(bundle, folder, inputs[ours], slots)
+    prefix = _prefix_cache(run, label, folder, built, aiperf, say)
     rows = [{"server": name, "model": label, "format": "fp32", "slots": slots, **row} for name, row in measured.items()]
     for row in rows:
         row[f"tokens/s vs {peer}"] = row["tokens/s"] / measured[peer]["tokens/s"]
@@ -102,8 +111,63 @@ def serve(run: Run) -> dict:
         "client": AIPERF, "threads": threads, "slots": slots, "commands": {k: " ".join(v) for k, v in servers.items()},
         "llama_cpp_python": llamacpp.LLAMA_CPP_PYTHON, "build": f"cmake target llama-server, {llamacpp.cmake_args()} {' '.join(llamacpp.SERVER_CMAKE)}",
         "targets": {f"tokens/s vs {peer}": THROUGHPUT_VS_PEER, "tokens/s vs static groups": THROUGHPUT_VS_STATIC},
-        "rows": rows, "misses": misses,
+        "rows": rows, "misses": misses, "prefix cache": prefix,
     }  # fmt: skip
+
+
+PREFIX_CONCURRENCY, PREFIX_MAX_SEQ = 8, 1024  # as many clients as slots: the first token waits for prefill, not for a slot
+
+
+def _prefix_cache(run: Run, label: str, folder: Path, built: Path, aiperf: Path, say) -> dict:
+    """The shared-system-prompt load against aotc serve with and without its prefix cache,
+    and llama-server with its prompt cache (module docstring); every server gets the same
+    requests (checked)."""
+    system, n, isl, osl = (200, 24, 32, 16) if run.quick else (500, 48, 64, 64)
+    max_seq = PREFIX_MAX_SEQ // 2 if run.quick else PREFIX_MAX_SEQ
+    load = {"requests": n, "prompt tokens": (isl, isl // 4), "new tokens": (osl, osl // 4), "system prompt tokens": system,
+            "endpoint": "chat", "concurrency": PREFIX_CONCURRENCY}  # fmt: skip
+    bundle = run.bundle(folder, "serve-prefix", batch_buckets=BUCKETS, chunk_buckets=(32, 128), max_seq=max_seq)
+    slots = read_manifest(bundle).shapes.cache_slots - 1
+    where = run.root / "serve-prefix"
+    where.mkdir(parents=True, exist_ok=True)
+    gguf = llamacpp.convert(built, folder, "F32", where)
+    threads = torch.get_num_threads()
+    aotc = [sys.executable, "-m", "aotc.cli", "serve", str(bundle), "--served-model-name", label, "--max-queue", str(4 * PREFIX_CONCURRENCY), "--threads", str(threads)]
+    servers = {
+        "aotc serve, prefix cache": aotc,
+        "aotc serve, --no-prefix-cache": [*aotc, "--no-prefix-cache"],
+        "llama-server, prompt cache": [str(built / "bin" / "llama-server"), "-m", str(gguf), "--alias", label, "-np", str(slots), "-c", str(slots * max_seq), "-cb", "-t", str(threads), "-tb", str(threads)],
+    }  # fmt: skip
+    measured, inputs = {}, {}
+    for name, command in servers.items():
+        tag = name.replace(" ", "-").replace(",", "")
+        with _serving(command, where / f"{tag}.log") as url:
+            measured[name], inputs[name] = _aiperf(aiperf, url, label, folder, where / tag, load, ["--shared-system-prompt-length", str(system)])
+            if name.startswith("aotc"):
+                measured[name] |= _prefix_counts(url)
+    first = next(iter(servers))
+    if any(inputs[name] != inputs[first] for name in servers):
+        raise SystemExit("serve: aiperf sent different shared-prefix requests to the servers (the same --random-seed should make them equal)")
+    hits = measured[first]["prefix hit tokens"]
+    if hits < 0.9 * system * (n - slots):  # what ran: each request after the first few found the system prompt
+        raise SystemExit(f"serve: the prefix cache found {hits} tokens; {n} requests sharing {system} tokens should find at least {0.9 * system * (n - slots):.0f}")
+    rows = [{"server": name, "model": label, **row} for name, row in measured.items()]
+    for row in rows:
+        row["TTFT p50 vs no prefix cache"] = row["TTFT p50 ms"] / measured["aotc serve, --no-prefix-cache"]["TTFT p50 ms"]
+        row["tokens/s vs llama-server"] = row["tokens/s"] / measured["llama-server, prompt cache"]["tokens/s"]
+    table(
+        f"{label} fp32, the prefix cache: {n} streaming chat completions, {PREFIX_CONCURRENCY} at a time, a shared system prompt of {system} tokens, "
+        f"user prompts {isl} +- {isl // 4} tokens, {osl} +- {osl // 4} new tokens, {threads} threads",
+        rows,
+    )
+    return {"load": load, "slots": slots, "commands": {k: " ".join(v) for k, v in servers.items()}, "rows": rows}
+
+
+def _prefix_counts(url: str) -> dict:
+    """The prompt tokens a server looked up in its prefix cache and found (its /metrics)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    count = lambda name: sum(float(v) for v in re.findall(rf"^aotc:{name}_total{{[^}}]*}} (\S+)$", text, re.M))  # noqa: E731
+    return {"prefix queried tokens": int(count("prefix_cache_queries")), "prefix hit tokens": int(count("prefix_cache_hits"))}
 
 
 def ensure_aiperf(cache: Path, say=print) -> Path:
@@ -159,7 +223,7 @@ def _serving(command: list[str], log: Path, bound: float = 600.0):
             proc.wait()
 
 
-def _aiperf(aiperf: Path, url: str, model: str, tokenizer: Path, out: Path, load: dict) -> tuple[dict, list[dict]]:
+def _aiperf(aiperf: Path, url: str, model: str, tokenizer: Path, out: Path, load: dict, extra: list[str] = ()) -> tuple[dict, list[dict]]:
     """aiperf's figures for the load against the server at `url`, and the requests it sent.
     Token counts are the servers' own (usage). A request starts within 1/PACE s of a slot
     freeing. A connection per request: llama-server
@@ -168,12 +232,13 @@ def _aiperf(aiperf: Path, url: str, model: str, tokenizer: Path, out: Path, load
     (isl, isl_sd), (osl, osl_sd) = load["prompt tokens"], load["new tokens"]
     out.mkdir(parents=True, exist_ok=True)
     args = [
-        str(aiperf), "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+        str(aiperf), "profile", "--model", model, "--url", url, "--endpoint-type", load.get("endpoint", "completions"), "--streaming",
         "--tokenizer", str(tokenizer), "--synthetic-input-tokens-mean", str(isl), "--synthetic-input-tokens-stddev", str(isl_sd),
         "--output-tokens-mean", str(osl), "--output-tokens-stddev", str(osl_sd), "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
-        "--request-count", str(load["requests"]), "--warmup-request-count", str(WARMUP), "--concurrency", str(CONCURRENCY),
+        "--request-count", str(load["requests"]), "--warmup-request-count", str(WARMUP), "--concurrency", str(load.get("concurrency", CONCURRENCY)),
         "--request-rate", str(PACE), "--arrival-pattern", "constant",
         "--random-seed", "0", "--use-server-token-count", "--connection-reuse-strategy", "never", "--workers-max", "1", "--record-processors", "1", "--ui-type", "none", "--artifact-dir", str(out),
+        *extra,
     ]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, cwd=out)
     if done.returncode:
@@ -182,7 +247,7 @@ def _aiperf(aiperf: Path, url: str, model: str, tokenizer: Path, out: Path, load
     if got.get("error_summary"):
         raise SystemExit(f"serve: aiperf against {url} had errors: {got['error_summary']}")
     payloads = [r["payloads"][0] for r in json.loads((out / "inputs.json").read_text())["data"]]
-    made, asked = int(got["total_output_tokens"]["avg"]), sum(p["max_tokens"] for p in payloads)
+    made, asked = int(got["total_output_tokens"]["avg"]), sum(p.get("max_tokens") or p["max_completion_tokens"] for p in payloads)
     if len(payloads) != load["requests"] or made != asked:  # what ran: every request, each to its max_tokens (ignore_eos)
         raise SystemExit(f"serve: {url} made {made} tokens for {len(payloads)} requests; aiperf asked {load['requests']} requests, {asked} tokens")
     return {

@@ -254,6 +254,23 @@ class DeepseekV4ForCausalLM(CausalLM):
             specs["idx_comp"] = row_spec(rows["idx_comp"], (n, slots, e), c.index_head_dim, c.dtype)
         return specs
 
+    def cache_positions(self):
+        # Every kind is indexed by position: the sliding window's keys by absolute position
+        # (the window is a mask, not a ring), the compressors' per-position projections, and
+        # their entries by window. A window's entry is written by the row that closes it,
+        # from the projections of the window's positions read back from the cache, so a
+        # prefix of any length n carries the entries of the windows it closes (n // rate)
+        # and the projections of an open window's first positions; the open window's entry
+        # is written when the new sequence closes it, as after any prefill chunk.
+        c = self.config
+        out = {"kv": (2, 1)}
+        if "hca" in self.groups:
+            out |= {"hca_kv": (2, 1), "hca_gate": (2, 1), "hca_comp": (2, c.compress_rate_hca)}
+        if "csa" in self.groups:
+            out |= {"csa_kv": (2, 1), "csa_gate": (2, 1), "csa_comp": (2, c.compress_rate_csa)}
+            out |= {"idx_kv": (2, 1), "idx_gate": (2, 1), "idx_comp": (2, c.compress_rate_csa)}
+        return out
+
     def cache_rows(self):
         rows = cache_rows(self.config)
         if rows["kv"] is None:

@@ -193,6 +193,9 @@ class TransformersCausalLM(CausalLM):
     def cache_rows(self):
         return {kind: r for kind, r in zip("kv", _fp8_rows(self.config, self.contract)) if r is not None}
 
+    def cache_positions(self):
+        return {"k": (3, 1), "v": (3, 1)}  # [layers, slots, kv_heads, positions, row]
+
     # -- generation ----------------------------------------------------------------
     @torch.no_grad()
     def _forward(self, method: str, ids, positions, slots, caches, keep: int | torch.Tensor):
