@@ -143,3 +143,17 @@ def test_held_text_that_turns_out_not_to_be_a_stop_is_sent_and_the_first_stop_wi
     assert sent == ["x"]
     with pytest.raises(StopError, match="stop: \\['ok', ''\\]; expected non-empty strings"):
         StopText(["ok", ""])
+
+
+def test_greedy_is_torchs_argmax_ties_and_nans_included():
+    """sampling.greedy (numpy's argmax on host float32 logits): the first of equal maxima,
+    and the first NaN, as torch.argmax, row by row and for one row."""
+    from aotc.runtime.sampling import greedy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 49152), generator=g).float()  # many ties at the maximum
+    logits[5, 100] = logits[5, 7] = float("nan")
+    logits[9] = float("-inf")
+    for rows in (logits, logits[3], logits[[5, 9, 2]], logits.t().contiguous().t()):
+        assert torch.equal(greedy(rows), rows.argmax(dim=-1)), rows.shape
+    assert greedy(logits).dtype == torch.int64 and greedy(logits.bfloat16()).tolist() == logits.bfloat16().argmax(dim=-1).tolist()

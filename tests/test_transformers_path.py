@@ -166,11 +166,10 @@ def test_export_matches_transformers(arch, tmp_path):
     layer_entries = [e for e in manifest.entries if e.method in ("decode", "prefill")]
     assert sum(len(e.instances) for e in layer_entries) == 2 * 3  # every layer, by decode and prefill
     assert [e.cls for e in manifest.entries if e.method == "project"] == ["LMHead"]
-    programs = sorted(out.glob("entries/*.prefill*/*/program.pt2"))  # variants: .prefill.v0, ...
-    assert programs
-    for program in programs:  # its mask a float bias, as llama's (packing.packed_bias)
+    if name == "qwen3":  # every architecture attends through one function (standins._attention); loading a program takes seconds
+        program = sorted(out.glob("entries/*.prefill*/*/program.pt2"))[0]  # variants: .prefill.v0, ...
         graph = torch.export.load(str(program)).graph_module.graph
-        assert not [n for n in graph.nodes if "masked_fill" in str(n.target)], program
+        assert not [n for n in graph.nodes if "masked_fill" in str(n.target)], program  # the mask a float bias, as llama's (packing.packed_bias)
     assert_matches_transformers(out, model_dir, "export")
 
 

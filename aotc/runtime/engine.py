@@ -55,7 +55,7 @@ from ..models.base import CausalLM
 from ..parallel import data_parallel, settled
 from .dispatch import context_floor, step_memos
 from .prefix import PrefixIndex
-from .sampling import Choice, Sampler, SamplingParams
+from .sampling import Choice, Sampler, SamplingParams, greedy
 
 GREEDY = SamplingParams()
 DEFAULT_CHUNK = 128  # prompt tokens per step where no bundle says (the eager model, which takes any length)
@@ -425,7 +425,7 @@ class Engine:
         """Each row's next token from its row of logits [rows, vocab] (or, where every row
         takes the argmax and keeps no logits, from `argmax`, [rows]); ends the rows that are
         done. Returns the tokens as a tensor where that is the argmax's own (every row greedy)."""
-        argmax = logits.argmax(dim=-1) if argmax is None else argmax
+        argmax = greedy(logits) if argmax is None else argmax
         tokens = argmax.tolist()
         plain = True
         for i, request in enumerate(rows):

@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import AotcError
@@ -129,9 +130,19 @@ class Sampler:
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.greedy:
-            return int(logits.argmax())
+            return int(greedy(logits))
         probs = kept_probabilities(logits / p.temperature, p.top_k, p.top_p, p.min_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of [rows, vocab] logits, [rows] int64: the first of equal maxima,
+    and a NaN before any number, as torch.argmax. Host float32 logits go through numpy,
+    whose argmax is vectorized where torch's CPU argmax is a scalar loop (SmolLM2's 49152
+    logits: 63 us a row, numpy 3 us; 253 against 22 us for 8 rows)."""
+    if type(logits) is torch.Tensor and logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1)))  # one row: a 0-d array
+    return logits.argmax(dim=-1)
 
 
 def kept_probabilities(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
