@@ -47,10 +47,9 @@ class PrefixIndex:
         least one full block, and how many tokens of it, at most len(tokens) - 1 (the last
         prompt token is always computed: its logits choose the first new token). (None, 0)
         where no slot holds a full block of it."""
-        found, parent = None, 0
-        for i in range(len(tokens) // self.block):
-            parent = hash((parent, tuple(tokens[i * self.block : (i + 1) * self.block])))
-            slots = self.slots_of.get(parent)
+        found = None
+        for h in self.chain(tokens):
+            slots = self.slots_of.get(h)
             if not slots:
                 break
             found = slots
