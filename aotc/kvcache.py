@@ -109,7 +109,7 @@ def copy_positions(cache, dim: int, src: int, dst: int, n: int) -> None:
             part.select(1, dst).narrow(dim - 1, 0, n).copy_(part.select(1, src).narrow(dim - 1, 0, n))
             continue
         for layer in part.layers:  # runtime.resident.DeviceCaches: a DeviceBuffer per layer
-            layer.value = layer.device.copy_positions(layer.value, dim - 1, src, dst, n)
+            layer.value = layer.device.copy_positions(layer, dim - 1, src, dst, n)
 
 
 class Regions:

@@ -261,6 +261,10 @@ CROSS_CHECKS = {
     "an activation of other rows": (lambda m: _input(m, "x").update(shape=[3, 256]), "dim 0 of an activation or output is the bucket, 1"),
     "a region of an activation": (lambda m: _input(m, "x").update(region={"of": "x", "start": 0, "end": 1024}), "only a cache input is a region of a packed cache"),
     "a region of other width": (lambda m: _input(m, "k_cache").update(region={"of": "k_cache", "start": 0, "end": 8}), "bytes 0:8 hold 2 float32 values, but its shape"),
+    "a slot copy of a backend that copies without one": (
+        lambda m: m["copies"].append({"shape": [5, 2, 256, 64], "dtype": "float32", "dim": 2, "artifact": copy.deepcopy(_entry(m)["artifacts"][0])}),
+        "copies: the export backend copies between cache slots without programs",
+    ),
     "no activation": (lambda m: [i.update(kind="cache", shape=[5, *i["shape"][1:]]) for i in _entry(m)["artifacts"][0]["inputs"]], "no activation input"),
 }
 

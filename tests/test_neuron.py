@@ -121,8 +121,8 @@ def test_compile_with_the_compiler_present(tiny_dir, tmp_path, stand_in, monkeyp
     monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
     result = build(BuildOptions(tiny_dir, out=tmp_path / "b", compiler_flags={"target": "trn1", "lnc": 1}, **OPTIONS))
     calls = stand_in()
-    assert len(calls) == 5  # one compile per entry and bucket
-    for e, a in result.manifest.artifacts():
+    assert len(calls) == 6  # one compile per entry and bucket, and the copy between cache slots
+    for _, a in result.manifest.compiled():
         folder = result.out / a.dir
         assert set(a.files) == {"hlo.pb", "hlo.txt", "command.txt", "model.neff", "compile.log"}
         assert a.pending is None
@@ -170,16 +170,68 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     out = tmp_path / "bundle"
     r = runner.invoke(
         app,
-        ["build", str(tiny_dir), "--backend", "neuron", "--no-cache", "--jobs", "1", "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64", "-o", str(out)],
+        [
+            "build",
+            str(tiny_dir),
+            "--backend",
+            "neuron",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--jobs",
+            "1",
+            "--buckets",
+            "1,2",
+            "--prefill-chunk",
+            "64",
+            "--max-seq",
+            "64",
+            "-o",
+            str(out),
+        ],
         env={"COLUMNS": "200"},
     )
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
-    assert "5 artifacts are pending" in said and f"aotc build --resume {out}" in said
-    for e, a in read_manifest(out).artifacts():
+    # Built again, from the cache's recipe: the copy's files come from the cache with the rest.
+    again = runner.invoke(
+        app,
+        [
+            "build",
+            str(tiny_dir),
+            "--backend",
+            "neuron",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--buckets",
+            "1,2",
+            "--prefill-chunk",
+            "64",
+            "--max-seq",
+            "64",
+            "-o",
+            str(tmp_path / "again"),
+        ],
+    )
+    assert again.exit_code == 0, again.output
+    copied = read_manifest(tmp_path / "again").copies
+    assert [c.artifact.served for c in copied] == ["cache"] and copied[0].artifact.files == read_manifest(out).copies[0].artifact.files
+    assert all((tmp_path / "again" / "copies/0" / name).is_file() for name in copied[0].artifact.files)
+    shown = runner.invoke(app, ["inspect", str(out)], env={"COLUMNS": "200"})
+    assert "the cache copy of float32[3, 2, 64, 64] along dim 2: copies/0" in shown.output
+    # Five graphs, and the copy between cache slots of the k and v allocations (one shape).
+    assert "6 artifacts are pending" in said and f"aotc build --resume {out}" in said
+    assert [(c.shape, c.dtype, c.dim, c.artifact.dir) for c in read_manifest(out).copies] == [([3, 2, 64, 64], "float32", 2, "copies/0")]
+    for _, a in read_manifest(out).compiled():
         assert a.pending == "neuronx-cc was not on PATH on the build machine"
         assert set(a.files) == {"hlo.pb", "hlo.txt", "command.txt"}
-    with pytest.raises(BundleError, match=r"5 artifacts are pending, not compiled .* aotc build --resume"):
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["copies"][0]["artifact"]["dir"] = "entries/LMHead.forward/b1"  # another artifact's folder
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"copies\[0\].artifact.dir: 'entries/LMHead.forward/b1', not 'copies/0'"):
+        read_manifest(out)
+    manifest["copies"][0]["artifact"]["dir"] = "copies/0"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"6 artifacts are pending, not compiled .*the cache copy of float32\[3, 2, 64, 64\] along dim 2\. .*aotc build --resume"):
         Bundle.load(out)
     r = runner.invoke(app, ["run", str(out)])
     assert r.exit_code == 2 and "LlamaDecoderLayer.decode bucket 1" in " ".join(r.output.split())
@@ -190,10 +242,9 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     # the compiler's argv from the manifest's typed flags.
     marker = tmp_path / "ran"
     manifest = json.loads((out / "manifest.json").read_text())
-    for e in manifest["entries"]:
-        for a in e["artifacts"]:
-            (out / a["dir"] / "command.txt").write_text(f"touch {marker}\n")
-            a["files"]["command.txt"] = hashlib.sha256((out / a["dir"] / "command.txt").read_bytes()).hexdigest()
+    for a in [a for e in manifest["entries"] for a in e["artifacts"]] + [c["artifact"] for c in manifest["copies"]]:
+        (out / a["dir"] / "command.txt").write_text(f"touch {marker}\n")
+        a["files"]["command.txt"] = hashlib.sha256((out / a["dir"] / "command.txt").read_bytes()).hexdigest()
     (out / "manifest.json").write_text(json.dumps(manifest))
     # On a "Neuron host": the compiler is there; resume compiles exactly the pending ones.
     calls = tmp_path / "calls.jsonl"
@@ -202,12 +253,12 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     neuron.compiler_version.cache_clear()
     r = runner.invoke(app, ["build", "--resume", str(out)])
     assert r.exit_code == 0, r.output
-    assert "compiled 5 pending artifacts" in r.output
-    assert len(calls.read_text().splitlines()) == 5
+    assert "compiled 6 pending artifacts" in r.output and "the cache copy of float32[3, 2, 64, 64] along dim 2" in " ".join(r.output.split())
+    assert len(calls.read_text().splitlines()) == 6
     assert not marker.exists()
     manifest = read_manifest(out)
     assert "neuronx-cc-2.99.0.0+test-double" in manifest.backend.version
-    for e, a in manifest.artifacts():
+    for _, a in manifest.compiled():
         assert a.pending is None and "model.neff" in a.files
     assert " ".join(runner.invoke(app, ["build", "--resume", str(out)]).output.split()).endswith("nothing pending")
     if importlib.util.find_spec("nrtpy") is None:
@@ -242,6 +293,9 @@ def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_pat
         command = (result.out / a.dir / "command.txt").read_text()
         fp8_caches = any(i.dtype == "float8_e4m3fn" and i.kind == "cache" for i in a.inputs)
         assert (FP8_FLAG in command) == fp8_caches == a.extra.fp8 == e.id.startswith("LlamaDecoderLayer"), e.id
+    # The prefix cache's copies: one per region of the packed rows (k's and v's alike), the fp8 one flagged.
+    copies = [(c.dtype, c.shape, c.artifact.extra.fp8, FP8_FLAG in (result.out / c.artifact.dir / "command.txt").read_text()) for c in manifest.copies]
+    assert copies == [("float8_e4m3fn", [2, 2, 64, 64], True, True), ("float32", [2, 2, 64, 1], False, False)], copies
     ids = torch.randint(3, 512, (20,))
     model = load_model(tiny_dir, kv_cache=result.manifest.model.kv_cache).model
     caches = model.allocate_caches(2, 64)
@@ -431,9 +485,33 @@ def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tin
     assert max(neuron_host.before_execution) <= 0.01 * weight_bytes, max(neuron_host.before_execution)
     assert all(neuron_host.per_tensor[id(t)] == [0, 0] for t in held)  # caches: nothing sent, nothing read
     assert neuron_host.to_host == 16 * model.config.hidden_size * 4 + 31 * model.config.vocab_size * 4  # a chunk's rows for x[-1:], then logits
-    # nrtpy has no copy between device tensors: the prefix cache is off, and says so.
+
+    # The prefix cache copies between slots with the bundle's copy NEFF (nrtpy has no copy
+    # between device tensors): a prompt sharing 40 tokens with a running one prefills the
+    # rest only, and answers as alone; still no cache byte crosses, and the copy sends its
+    # three indices only.
+    first, second = list(range(3, 50)), list(range(3, 43)) + [60, 61, 62]
+    alone = []
+    for prompt in (first, second):
+        engine = Engine(model, caches, slots=bundle.cache_slots, max_seq=bundle.max_seq, chunk=16, prefix_cache=False)
+        alone.append(engine.submit(prompt, 6))
+        engine.run()
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)  # fresh: nothing of the runs alone
+    held = [b.value for b in buffers(caches)]
     engine = Engine(model, caches, slots=bundle.cache_slots, max_seq=bundle.max_seq, chunk=16, prefix_cache=True)
-    assert engine.prefix is None and engine.prefix_off == "NeuronDevice has no copy between cache slots"
+    assert engine.prefix_off is None
+    neuron_host.reset()
+    running = engine.submit(first, 6)
+    while running.prefilled < len(first):
+        engine.step()
+    shared = engine.submit(second, 6)
+    engine.run()
+    assert (shared.cached, engine.stats.prefill_tokens) == (40, len(first) + 3)
+    assert (running.new_ids, shared.new_ids) == (alone[0].new_ids, alone[1].new_ids)
+    assert all(neuron_host.per_tensor[id(t)] == [0, 0] for t in held)
+    for kind in ("k", "v"):  # both slots hold the shared 40 positions, bit for bit
+        rows = caches[kind].to_host()
+        assert torch.equal(rows[:, running.slot, :, :40], rows[:, shared.slot, :, :40]) and running.slot != shared.slot
 
 
 def test_the_nrtpy_double_refuses_what_nrtpy_refuses(tmp_path):

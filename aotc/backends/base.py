@@ -117,11 +117,16 @@ class Device:
     # cache (runtime.prefix) needs it. Host tensors are copied by torch, on their own device.
     copies: ClassVar[bool] = False
 
-    def copy_positions(self, value, dim: int, src: int, dst: int, n: int) -> Any:
+    def copy_positions(self, buffer: "DeviceBuffer", dim: int, src: int, dst: int, n: int) -> Any:
         """A layer's cache allocation (a resident device's) with positions 0..n-1 of slot src
         (dim 0 is the slot, `dim` the positions) copied into slot dst by the device itself:
-        the array that replaces it (a donated JAX array is written in place)."""
+        the array that replaces buffer.value (a donated JAX array is written in place)."""
         raise NotImplementedError(f"{type(self).__name__} has no copy between cache slots")
+
+    def copy_with(self, steps: dict[tuple[tuple[int, ...], str, int], "Step"]) -> None:
+        """A backend's copy programs (Backend.slot_copies), bound here: by the allocation's
+        (shape, dtype name, positions dim), each run as step.run([allocation, src, dst, n])."""
+        raise NotImplementedError(f"{type(self).__name__} copies between cache slots without programs")
 
 
 HOST = Device()
@@ -267,6 +272,10 @@ class Backend(abc.ABC):
     # where not, Bundle.load removes its checked copy of them once the programs are loaded,
     # so that a killed run leaves none behind.
     reads_files_loaded: bool = True
+    # Its device copies between cache slots only through a compiled program (the Neuron
+    # runtime has no device-to-device copy): the build compiles one per allocation kind
+    # (builder.copies) into the bundle, and bind gives them to the device (Device.copy_with).
+    slot_copies: ClassVar[bool] = False
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "Backend":

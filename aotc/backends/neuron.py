@@ -179,8 +179,6 @@ class NeuronDevice(Device):
     into staging tensors of their own (write_from_numpy), results read with numpy()."""
 
     resident = True
-    # copies stays False: nrtpy documents no copy from one device tensor to another (from_numpy,
-    # write_from_numpy and numpy only); a copy between cache slots needs a NEFF of its own.
 
     def __init__(self, core_id: int):
         import nrtpy
@@ -188,6 +186,25 @@ class NeuronDevice(Device):
         self.nrtpy, self.core_id = nrtpy, core_id
         self._placed: dict[int, tuple[torch.Tensor, object]] = {}
         self._staging: dict[tuple, list] = {}  # (key, shape, dtype) -> [NrtpyTensor, generation]
+        self._copies: dict[tuple, Step] = {}  # (shape, dtype name, dim) -> the bundle's copy NEFF, bound
+
+    # nrtpy documents no copy from one device tensor to another (from_numpy, write_from_numpy
+    # and numpy only): a copy between cache slots runs a NEFF of the bundle's (builder.copies).
+    @property
+    def copies(self) -> bool:
+        return bool(self._copies)
+
+    def copy_with(self, steps: dict) -> None:
+        self._copies.update(steps)
+
+    def copy_positions(self, buffer: DeviceBuffer, dim: int, src: int, dst: int, n: int):
+        at = (tuple(buffer.shape), str(buffer.dtype).removeprefix("torch."), dim)
+        step = self._copies.get(at)
+        if step is None:
+            raise BundleError(f"the bundle has no copy between cache slots of {at[1]}{list(at[0])} along dim {dim} (manifest copies); rebuild it with this aotc")
+        # The NEFF writes the allocation in place (its input aliased to its output).
+        step.run([buffer, *(self.put(torch.tensor([v]), key=("copy", name)) for name, v in (("src", src), ("dst", dst), ("n", n)))])
+        return buffer.value
 
     def place(self, weight: torch.Tensor):
         found = self._placed.get(id(weight))
@@ -310,6 +327,7 @@ class NeuronBackend(Backend):
     static_shapes = True
     views = False  # the Neuron runtime takes whole device tensors
     collectives_in_graph = True  # the xla backend's per-rank HLO collectives (xla_collectives), loaded with cc_enabled
+    slot_copies = True  # NeuronDevice.copy_positions runs the bundle's copy NEFFs
     compile_memory_gb = COMPILE_MEMORY_GB
 
     @classmethod
@@ -381,7 +399,7 @@ class NeuronBackend(Backend):
         manifest's typed flags (never from the bundle's command.txt), then record the NEFFs."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from ..format import artifact_label, confined
+        from ..format import confined
 
         pending = manifest.pending()
         if not pending:
@@ -390,18 +408,18 @@ class NeuronBackend(Backend):
         if version is None:
             raise AotcError(f"--resume {bundle}: {COMPILER} is not on PATH; run this on a host with the Neuron SDK")
         root = Path(bundle).resolve()
-        for e, a in pending:
-            progress("entry", id=artifact_label(e.id, a.bucket, a.context), total=1)
+        for label, a in pending:
+            progress("entry", id=label, total=1)
 
         def compile_one(item):
-            e, a = item
-            folder = confined(root, a.dir, artifact_label(e.id, a.bucket, a.context))
+            label, a = item
+            folder = confined(root, a.dir, label)
             run_compiler(compiler_command(self.options, xla_lower.HLO_PROTO, NEFF, a.extra.fp8), folder)
-            progress("done", id=artifact_label(e.id, a.bucket, a.context), bucket=a.bucket)
+            progress("done", id=label, bucket=a.bucket)
 
         with ThreadPoolExecutor(max_workers=jobs or parallel_jobs(len(pending), self.compile_memory_gb)) as pool:  # each compile is a subprocess
             list(pool.map(compile_one, pending))
-        for e, a in pending:
+        for _, a in pending:
             folder = root / a.dir
             for name in (NEFF, LOG):
                 a.files[name] = sha256_file(folder / name)

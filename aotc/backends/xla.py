@@ -86,7 +86,7 @@ class JaxDevice(Device):
     def hold(self, t: torch.Tensor):
         return self.put(t)  # an array of XLA's own, donatable
 
-    def copy_positions(self, value, dim: int, src: int, dst: int, n: int):
+    def copy_positions(self, buffer, dim: int, src: int, dst: int, n: int):
         # One jitted program per cache shape and dim, the slots and count its arguments; the
         # cache donated, so XLA writes the copied rows into the cache's own buffer.
         import jax
@@ -101,7 +101,7 @@ class JaxDevice(Device):
                 return cache.at[dst].set(jnp.where(keep, cache[src], cache[dst]))
 
             copy = self._copies[dim] = jax.jit(rows, donate_argnums=0)
-        return copy(value, src, dst, n)
+        return copy(buffer.value, src, dst, n)
 
 
 class JaxProgram(Program):

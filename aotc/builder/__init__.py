@@ -29,7 +29,8 @@ from ..format import Manifest, artifact_label, bundle_writer, check_replaceable,
 from ..models.loader import load_model, memory_shortfall
 from ..trace import Variant
 from .assemble import assemble_manifest, model_record
-from .key import KeyedGraph, key_graphs
+from .copies import copy_graphs, obtain_copies
+from .key import key_graphs
 from .obtain import BuiltArtifact, copy_files, obtain_artifacts, remote_client
 from .options import BuildOptions, check_jobs, default_backend, default_jobs, parse_buckets, parse_flags, parse_shard
 from .plan import make_plan, resolve, shard_of
@@ -104,8 +105,13 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
         notes.append(f"this bundle will not run on this machine: {short}")
     tasks = shard_of(p.tasks, options.shard) if options.shard else p.tasks
     keyed = key_graphs(p, tasks)
+    # The copies between cache slots of a backend that needs them: in the bundle's build, or
+    # the first shard's (a --require-cache build then finds them too).
+    copies = copy_graphs(p)
+    if options.shard and options.shard[0] != 1:
+        copies = []
     if options.require_cache:
-        _check_all_cached(options, keyed, cache)
+        _check_all_cached(options, [(artifact_label(*k.id), k.key) for k in keyed] + [(r.label, c.key) for r, c in copies], cache)
     jobs = options.jobs or default_jobs(len(tasks), backend)
     for variants in p.entries():
         total = sum(1 for t in tasks if any(t[0] is v for v in variants))
@@ -113,11 +119,13 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
             progress("entry", id=variants[0].entry_id, total=total)
     if options.shard:
         built = obtain_artifacts(options, backend, keyed, None, cache, jobs, progress)
+        obtain_copies(backend, copies, None, cache, options.remote_cache, progress)
         artifacts = [built[k.id] for k in keyed]
         return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root)
     with bundle_writer(options.out, bundle_locks(options)) as tmp:
         built = obtain_artifacts(options, backend, keyed, tmp, cache, jobs, progress)
         manifest = assemble_manifest(p, built)
+        manifest.copies = obtain_copies(backend, copies, tmp, cache, options.remote_cache, progress)
         write_manifest(tmp, manifest)
     if recipe is not None:
         try:
@@ -129,10 +137,11 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
 
 
 def build_keys(options: BuildOptions) -> list[tuple[str, int, int | None, str]]:
-    """(entry id, bucket, context bucket, cache key) of every artifact of a build, without compiling."""
+    """(entry id, bucket, context bucket, cache key) of every artifact of a build, the cache
+    copies' (label, slots, None, key) last, without compiling."""
     with parallel.tracing(options.layout):
         p = make_plan(options)
-        return [(*k.id, k.key) for k in key_graphs(p, p.tasks)]
+        return [(*k.id, k.key) for k in key_graphs(p, p.tasks)] + [(r.label, c.bucket, None, c.key) for r, c in copy_graphs(p)]
 
 
 def build_key(options: BuildOptions) -> str:
@@ -140,15 +149,15 @@ def build_key(options: BuildOptions) -> str:
     return _build_key(build_keys(options))
 
 
-def _check_all_cached(options: BuildOptions, keyed: list[KeyedGraph], cache: LocalCache) -> None:
-    """--require-cache: every artifact must be in the local cache (or fetched from the remote)."""
+def _check_all_cached(options: BuildOptions, keyed: list[tuple[str, str]], cache: LocalCache) -> None:
+    """--require-cache: every artifact (label, key) must be in the local cache (or fetched from the remote)."""
     missing = []
     remote = remote_client(options.remote_cache) if options.remote_cache else None
-    for k in keyed:
-        with cache.lock(k.key):
-            found = cache.get(k.key) or (remote and cache.put(k.key, lambda tmp: remote.fetch(k.key, tmp)))
+    for label, key in keyed:
+        with cache.lock(key):
+            found = cache.get(key) or (remote and cache.put(key, lambda tmp: remote.fetch(key, tmp)))
         if not found:
-            missing.append(f"{artifact_label(*k.id)} (key {k.key[:12]})")
+            missing.append(f"{label} (key {key[:12]})")
     if missing:
         where = f"the cache {cache.root}" + (f" or {options.remote_cache}" if remote else "")
         raise CacheError(
@@ -168,6 +177,9 @@ def _from_recipe(options: BuildOptions, cache: LocalCache, recipe: str, backend:
     loaded = load_model(options.model_dir, weights=False, kv_cache=manifest.model.kv_cache, modeling=options.modeling)
     artifacts = []
     with bundle_writer(options.out, bundle_locks(options)) as tmp:
+        for c in manifest.copies:  # no weights to check
+            copy_files(entries[c.artifact.cache_key].dir, tmp / c.artifact.dir, c.artifact.files)
+            c.artifact.served = "cache"
         for e, art in manifest.artifacts():
             entry = entries[art.cache_key]
             copy_files(entry.dir, tmp / art.dir, art.files)
@@ -208,7 +220,7 @@ def resume(bundle: Path, jobs: int | None = None, progress: Progress | None = No
         backend = backend_class(**manifest.backend.flags)
     except TypeError as e:
         raise AotcError(f"--resume {bundle}: backend.flags do not fit the {manifest.backend.name} backend ({e}); rebuild the bundle") from None
-    names = {id(a): e.id for e, a in manifest.artifacts()}
+    names = {id(a): label for label, a in manifest.compiled()}
     done = backend.finish(bundle, manifest, jobs, progress or _quiet)
     write_manifest(bundle, manifest)
-    return [artifact_label(names[id(a)], a.bucket, a.context) for a in done]
+    return [names[id(a)] for a in done]

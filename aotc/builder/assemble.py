@@ -39,6 +39,7 @@ def assemble_manifest(plan: Plan, built: dict[tuple[str, int, int | None], Built
         passes=pipeline_identity(backend),
         graphs_traced=len(plan.tasks),
         entries=entries,
+        copies=[],  # builder.copies adds them
     )
 
 

@@ -131,6 +131,7 @@ class Compilable:
     form: Form
     passes: list[PassRecord]
     export_s: float
+    dir: str | None = None  # relative to the bundle; None: the entry's artifact_dir
 
 
 def _compilable(k: KeyedGraph) -> Compilable:
@@ -169,7 +170,7 @@ def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: Lo
     """Get one artifact, from the cache when its key is there, else by compiling; copy it into the bundle."""
     t0 = time.perf_counter()
     key = item.key
-    rel = artifact_dir(item.entry_id, item.bucket, item.dims.get("context"))
+    rel = item.dir or artifact_dir(item.entry_id, item.bucket, item.dims.get("context"))
     remote = remote_client(remote_url) if remote_url else None
     errors_before = len(remote.errors) if remote else 0
     notes: list[str] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..format import Manifest, artifact_dir, artifact_label, encode, is_file_name, parse_manifest, write_atomic
+from ..format import Manifest, artifact_dir, encode, is_file_name, parse_manifest, write_atomic
 from .local import CacheError, Entry, LocalCache
 
 
@@ -35,8 +35,10 @@ def load_recipe(cache: LocalCache, recipe: str) -> tuple[Manifest, dict[str, Ent
     # A corrupt recipe raises CacheError: the build reports it as a miss and goes the normal way.
     manifest = parse_manifest(file.read_bytes(), str(file), CacheError)
     entries = {}
-    for e, art in manifest.artifacts():
-        if not is_file_name(e.id) or art.dir != artifact_dir(e.id, art.bucket, art.context) or not all(map(is_file_name, art.files)):
+    # The copies' folders are checked by the reader (format.copy_dir).
+    folders = [(is_file_name(e.id) and art.dir == artifact_dir(e.id, art.bucket, art.context), art) for e, art in manifest.artifacts()]
+    for ours, art in folders + [(True, c.artifact) for c in manifest.copies]:
+        if not ours or not all(map(is_file_name, art.files)):
             # Not a folder aotc would write: a corrupt recipe is a miss, never followed.
             return None
         try:
@@ -62,6 +64,6 @@ def served_by(cache: LocalCache) -> dict[str, set[tuple[str, str, str]]]:
         except (CacheError, OSError):
             continue
         model = manifest.model.hub.repo_id if manifest.model.hub else Path(manifest.model.source).name
-        for e, art in manifest.artifacts():
-            served.setdefault(art.cache_key, set()).add((model, artifact_label(e.id, art.bucket, art.context), manifest.backend.name))
+        for label, art in manifest.compiled():
+            served.setdefault(art.cache_key, set()).add((model, label, manifest.backend.name))
     return served

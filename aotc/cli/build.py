@@ -165,10 +165,10 @@ def build(
         if remote_cache:
             line += f", {result.count('remote')} from {remote_cache}"
         console.print(line + f" ({result.cache_dir})", markup=False)
-    pending = [a for a in result.artifacts if a.record.pending]
+    pending = result.manifest.pending() if result.manifest is not None else [(None, a.record) for a in result.artifacts if a.record.pending]
     if pending:
         console.print(
-            f"[yellow]{len(pending)} artifacts are pending:[/] {pending[0].record.pending}. "
+            f"[yellow]{len(pending)} artifacts are pending:[/] {pending[0][1].pending}. "
             f"Each has its HLO and command.txt; on a host with the Neuron SDK run: aotc build --resume {result.out}",
             highlight=False,
         )

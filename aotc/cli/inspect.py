@@ -57,3 +57,5 @@ def inspect(
             e.id, str(len(e.instances)), str(art.bucket), "" if art.context is None else str(art.context), art.form, inputs, outs, f"{art.compile_s:.2f}", art.cache_key[:8]
         )
     console.print(table)
+    for c in m.copies if entry is None else []:  # the prefix cache's copies between cache slots (neuron)
+        console.print(f"{c.label}: {c.artifact.dir}, compile {c.artifact.compile_s:.2f} s, cache key {c.artifact.cache_key[:8]}", highlight=False, markup=False)

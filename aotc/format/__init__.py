@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from .read import ENTRY_ID, MODULE_PATH, as_dict, bad_file, confined, convert, crossed_weights, decode, is_file_name, parse_manifest, read_manifest, sha256_file, unknown_field
 from .records import (
+    COPIES_DIR,
     DEFAULT_ARTIFACTS,
     ENTRIES_DIR,
     FORMAT_VERSION,
@@ -57,6 +58,7 @@ from .records import (
     CacheRegion,
     CacheSpec,
     CompiledRecord,
+    CopyRecord,
     EntryRecord,
     Form,
     Fp8Reading,
@@ -81,6 +83,7 @@ from .records import (
     WeightSpec,
     artifact_dir,
     artifact_label,
+    copy_dir,
 )
 from .write import bundle_writer, check_replaceable, encode, temp_folder, umask, write_atomic, write_manifest, writers_turn
 
@@ -90,7 +93,9 @@ __all__ = [
     "BucketKind",
     "CacheRegion",
     "CacheSpec",
+    "COPIES_DIR",
     "CompiledRecord",
+    "CopyRecord",
     "DEFAULT_ARTIFACTS",
     "ENTRIES_DIR",
     "ENTRY_ID",
@@ -121,6 +126,7 @@ __all__ = [
     "WeightSpec",
     "artifact_dir",
     "artifact_label",
+    "copy_dir",
     "as_dict",
     "bad_file",
     "bundle_writer",

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ..errors import BundleError
-from .records import FORMAT_VERSION, MANIFEST, EntryRecord, Manifest
+from .records import FORMAT_VERSION, MANIFEST, EntryRecord, Manifest, copy_dir
 
 
 def decode(data: bytes | str, record_type: type, source: str, error: type[Exception] = BundleError):
@@ -44,14 +44,14 @@ def read_manifest(bundle: Path | str) -> Manifest:
         raise BundleError(f"{bundle}: no {MANIFEST}; expected a bundle folder written by aotc build")
     manifest = parse_manifest(file.read_bytes(), str(file))
     root = bundle.resolve()
-    for i, entry in enumerate(manifest.entries):
-        for j, art in enumerate(entry.artifacts):
-            where = f"{file}: entries[{i}].artifacts[{j}]"
-            confined(root, art.dir, f"{where}.dir")
-            for name in art.files:
-                if not is_file_name(name):
-                    raise BundleError(f"{where}.files: {name!r} must be a file name inside the artifact folder; rebuild the bundle")
-                confined(root, f"{art.dir}/{name}", f"{where}.files[{name!r}]")
+    located = [(f"entries[{i}].artifacts[{j}]", art) for i, entry in enumerate(manifest.entries) for j, art in enumerate(entry.artifacts)]
+    for at, art in located + [(f"copies[{i}].artifact", c.artifact) for i, c in enumerate(manifest.copies)]:
+        where = f"{file}: {at}"
+        confined(root, art.dir, f"{where}.dir")
+        for name in art.files:
+            if not is_file_name(name):
+                raise BundleError(f"{where}.files: {name!r} must be a file name inside the artifact folder; rebuild the bundle")
+            confined(root, f"{art.dir}/{name}", f"{where}.files[{name!r}]")
     return manifest
 
 
@@ -86,10 +86,9 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         raise error(f"{source}: format_version is {version!r}, this aotc reads format {FORMAT_VERSION} only; rebuild the bundle with this aotc (aotc build)")
     manifest = decode(data, Manifest, source, error)
     kind = _artifact_kind(manifest, source, error)
-    unknown = unknown_field(head, Manifest) or next(
-        (u for i, e in enumerate(head["entries"]) for j, a in enumerate(e["artifacts"]) if (u := unknown_field(a["extra"], kind.extra_type, f"entries[{i}].artifacts[{j}].extra"))),
-        None,
-    )  # fmt: skip
+    extras = [(f"entries[{i}].artifacts[{j}].extra", a["extra"]) for i, e in enumerate(head["entries"]) for j, a in enumerate(e["artifacts"])]
+    extras += [(f"copies[{i}].artifact.extra", c["artifact"]["extra"]) for i, c in enumerate(head["copies"])]
+    unknown = unknown_field(head, Manifest) or next((u for where, extra in extras if (u := unknown_field(extra, kind.extra_type, where))), None)
     if unknown:
         raise error(
             f"{source}: {unknown}: no such field in format {FORMAT_VERSION}, which this aotc writes and reads; "
@@ -127,7 +126,32 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
         if have != want:
             raise error(f"{source}: entries[{i}].artifacts: {what} {have}, but {shapes}: every bucket needs one artifact{per}. Rebuild the bundle")
     _check_entries(manifest, bad)
+    _check_copies(manifest, kind, source, error, bad)
     return manifest
+
+
+def _check_copies(m: Manifest, kind, source: str, error: type[Exception], bad) -> None:
+    """Each cache copy (CopyRecord): a backend's that copies by programs, one per allocation
+    kind, in its own folder, taking that allocation and three int64 scalars (src, dst, n)."""
+    if m.copies and not kind.slot_copies:
+        bad("copies", f"the {m.backend.name} backend copies between cache slots without programs")
+    seen = set()
+    for i, c in enumerate(m.copies):
+        where, art = f"copies[{i}]", c.artifact
+        if not _is_dtype(c.dtype) or len(c.shape) < 2 or c.shape[0] != m.shapes.cache_slots or not 0 < c.dim < len(c.shape) or min(c.shape) < 1:
+            bad(where, f"{c.dtype}{c.shape} along dim {c.dim} is not a cache allocation ([cache_slots ({m.shapes.cache_slots}), ...]) and one of its dims")
+        if (tuple(c.shape), c.dtype, c.dim) in seen:
+            bad(where, f"a second copy of {c.dtype}{c.shape} along dim {c.dim}")
+        seen.add((tuple(c.shape), c.dtype, c.dim))
+        if art.dir != copy_dir(i):
+            bad(f"{where}.artifact.dir", f"{art.dir!r}, not {copy_dir(i)!r}")
+        want = [("cache", c.shape, c.dtype)] + [("activation", [1], "int64")] * 3
+        if [(t.kind, t.shape, t.dtype) for t in art.inputs] != want or art.outputs:
+            bad(f"{where}.artifact.inputs", f"{[(t.kind, t.shape, t.dtype) for t in art.inputs]}, not the allocation, src, dst and n, with no outputs")
+        art.extra = convert(art.extra, kind.extra_type, f"{source}: {where}.artifact.extra", error)
+        for name in kind.required_files(art.extra):
+            if name not in art.files:
+                raise error(f"{source}: {where}.artifact.files: {name!r} is missing; every {m.backend.name} artifact has it. Rebuild the bundle")
 
 
 ENTRY_ID = re.compile(r"(?P<cls>[A-Za-z_]\w*)\.(?P<method>[A-Za-z_]\w*)(\.v\d+)?")

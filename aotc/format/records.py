@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import BundleError
 
-FORMAT_VERSION = 18  # 18: shapes.chunk_contexts, contexts only chunk entries are built at, each bucket at those it fits
+FORMAT_VERSION = 19  # 19: copies, the compiled copies between cache slots of a backend that needs them (neuron)
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
@@ -30,6 +30,14 @@ Served = Literal["compiled", "cache", "remote", "uncached"]
 def artifact_dir(entry_id: str, bucket: int, context: int | None = None) -> str:
     """Folder of one (entry, bucket, context bucket) artifact, relative to the bundle root."""
     return f"{ENTRIES_DIR}/{entry_id}/b{bucket}" + (f"-c{context}" if context is not None else "")
+
+
+COPIES_DIR = "copies"
+
+
+def copy_dir(i: int) -> str:
+    """Folder of the manifest's i-th cache copy (CopyRecord), relative to the bundle root."""
+    return f"{COPIES_DIR}/{i}"
 
 
 def artifact_label(entry_id: str, bucket: int, context: int | None = None) -> str:
@@ -173,6 +181,23 @@ class ArtifactRecord(CompiledRecord):
 
 
 @dataclass
+class CopyRecord:
+    """A compiled copy between the slots of one kind of cache allocation (a layer's slice of a
+    cache kind, or of one region of it), for a backend whose device copies only through a
+    program of its own (Backend.slot_copies): positions 0..n-1 along `dim` of slot src
+    written into slot dst, in place. One per distinct (shape, dtype, dim)."""
+
+    shape: list[int]  # one allocation: dim 0 the slot
+    dtype: str
+    dim: int  # the positions
+    artifact: ArtifactRecord
+
+    @property
+    def label(self) -> str:
+        return f"the cache copy of {self.dtype}{self.shape} along dim {self.dim}"
+
+
+@dataclass
 class EntryRecord:
     id: str
     cls: str  # the module class's qualified name
@@ -300,14 +325,23 @@ class Manifest:
     passes: list[PassIdentity]
     graphs_traced: int
     entries: list[EntryRecord]
+    copies: list[CopyRecord]  # [] unless the backend copies between cache slots by programs
 
     def artifacts(self) -> Iterator[tuple[EntryRecord, ArtifactRecord]]:
         for entry in self.entries:
             for art in entry.artifacts:
                 yield entry, art
 
-    def pending(self) -> list[tuple[EntryRecord, ArtifactRecord]]:
-        return [(e, a) for e, a in self.artifacts() if a.pending]
+    def compiled(self) -> Iterator[tuple[str, ArtifactRecord]]:
+        """Every compiled artifact, the entries' and the cache copies', with its label."""
+        for e, a in self.artifacts():
+            yield artifact_label(e.id, a.bucket, a.context), a
+        for c in self.copies:
+            yield c.label, c.artifact
+
+    def pending(self) -> list[tuple[str, ArtifactRecord]]:
+        """The artifacts not compiled yet (a neuron cross-build's), with their labels."""
+        return [(label, a) for label, a in self.compiled() if a.pending]
 
     def entry(self, entry_id: str) -> EntryRecord:
         """The entry `entry_id`; an error (for --entry) names the bundle's entries."""

@@ -43,6 +43,8 @@ class Bundle:
     load_s: float
     backend: Backend | None = None  # the load half that made the programs (None: none loaded)
     checked: tempfile.TemporaryDirectory | None = None  # the artifacts' checked copies, removed with the bundle
+    # The loaded copies between cache slots (manifest.copies), by (shape, dtype, positions dim)
+    copies: dict[tuple[tuple[int, ...], str, int], Program] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(
@@ -67,7 +69,7 @@ class Bundle:
         load_plugins(manifest.plugins)
         pending = manifest.pending()
         if pending and load_artifacts:
-            names = ", ".join(artifact_label(e.id, a.bucket, a.context) for e, a in pending)
+            names = ", ".join(label for label, _ in pending)
             raise BundleError(
                 f"{path}: {len(pending)} artifacts are pending, not compiled ({pending[0][1].pending}): {names}. "
                 f"Finish them on a host with the Neuron SDK: aotc build --resume {path}"
@@ -94,7 +96,7 @@ class Bundle:
             if bad:
                 raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
             if load_artifacts and (only is None or (entry.id, art.bucket, art.context) in only):
-                _check_signature(path, entry, art, backend.signature(art_dir))
+                _check_signature(path, artifact_label(entry.id, art.bucket, art.context), entry.weights, art, backend.signature(art_dir))
                 crossed = crossed_weights(entry, backend.weight_paths(art_dir))
                 if crossed:
                     raise BundleError(
@@ -102,10 +104,23 @@ class Bundle:
                         "compiled for; the bundle was altered. Rebuild it (aotc build)"
                     )
                 programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
+        copies = {}
+        for c in manifest.copies:  # the copies between cache slots (builder.copies): no weights
+            try:
+                art_dir = _copy_files(path / c.artifact.dir, c.artifact.files, Path(checked.name) / c.artifact.dir)
+            except OSError as e:
+                checked.cleanup()
+                raise temp_error(e) from None
+            bad = bad_file(art_dir, c.artifact.files)
+            if bad:
+                raise BundleError(f"{path / c.artifact.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+            if load_artifacts:
+                _check_signature(path, c.label, [], c.artifact, backend.signature(art_dir))
+                copies[tuple(c.shape), c.dtype, c.dim] = backend.load(art_dir, c.artifact)
         if load_artifacts and not backend.reads_files_loaded:
             checked.cleanup()
             checked = None
-        return cls(path, manifest, programs, time.perf_counter() - t0, backend, checked)
+        return cls(path, manifest, programs, time.perf_counter() - t0, backend, checked, copies)
 
     def checked_dir(self, art) -> Path:
         """Where the checked copy of an artifact's files is: what readers of its files
@@ -212,6 +227,8 @@ class Bundle:
                 setattr(model.get_submodule(path), entry.method, Dispatcher(entry, steps, device, memo))
         if device.resident:
             model.allocate_caches = DeviceAllocator(model, device)
+        if self.copies:
+            device.copy_with({at: program.bind(Weights([]), rank=rank, world_size=world_size) for at, program in self.copies.items()})
         # Every entry the model has must run compiled: nothing falls back to eager unseen. A bound
         # entry is the instance's own attribute (the Dispatcher set above, over the class's
         # method), so the instance's __dict__ is where Python keeps it, not a side channel.
@@ -290,18 +307,15 @@ def _copy_files(src: Path, files: dict[str, str], dst: Path) -> Path:
     return dst
 
 
-def _check_signature(bundle: Path, entry, art, found) -> None:
+def _check_signature(bundle: Path, label: str, weights: list[WeightSpec], art, found) -> None:
     """The artifact's own record of its inputs must be what the manifest says it takes."""
     if found is None:
         return
-    expected = [(w.shape, w.dtype) for w in entry.weights] + [(i.shape, i.dtype) for i in art.inputs]
+    expected = [(w.shape, w.dtype) for w in weights] + [(i.shape, i.dtype) for i in art.inputs]
     if [(list(s), d) for s, d in found] != [(list(s), d) for s, d in expected]:
         diff = next(((i, e, f) for i, (e, f) in enumerate(zip(expected, found)) if list(e[0]) != list(f[0]) or e[1] != f[1]), None)
         what = f"input {diff[0]} is {diff[2]}, the manifest says {diff[1]}" if diff else f"{len(found)} inputs, the manifest says {len(expected)}"
-        raise BundleError(
-            f"{bundle / art.dir}: the artifact is not {artifact_label(entry.id, art.bucket, art.context)} as the manifest says ({what}); "
-            "the bundle was altered. Rebuild it (aotc build)"
-        )
+        raise BundleError(f"{bundle / art.dir}: the artifact is not {label} as the manifest says ({what}); the bundle was altered. Rebuild it (aotc build)")
 
 
 def bound_weights(manifest: Manifest, model: nn.Module, bundle: Path) -> dict[tuple[str, str], Weights]:
