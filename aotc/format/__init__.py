@@ -4,6 +4,8 @@
     BUNDLE/entries/<entry id>/b<bucket>[-c<context>]/
                                          one folder per artifact: the files that
                                          its ArtifactRecord lists, with their sha256
+    BUNDLE/copies/<i>/                   a compiled copy between cache slots
+                                         (CopyRecord; neuron bundles only)
 
 Every other module reads the typed objects below; none indexes a manifest by
 string. The reader validates every field's presence and type and names the
