@@ -168,50 +168,12 @@ def test_compiler_killed_by_signal_9_is_an_out_of_memory_message(tiny_dir, tmp_p
 def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
     runner = CliRunner()
     out = tmp_path / "bundle"
-    r = runner.invoke(
-        app,
-        [
-            "build",
-            str(tiny_dir),
-            "--backend",
-            "neuron",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--jobs",
-            "1",
-            "--buckets",
-            "1,2",
-            "--prefill-chunk",
-            "64",
-            "--max-seq",
-            "64",
-            "-o",
-            str(out),
-        ],
-        env={"COLUMNS": "200"},
-    )
+    command = ["build", str(tiny_dir), "--backend", "neuron", "--cache-dir", str(tmp_path / "cache"), "--buckets", "1,2", "--prefill-chunk", "64", "--max-seq", "64"]  # fmt: skip
+    r = runner.invoke(app, [*command, "--jobs", "1", "-o", str(out)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     # Built again, from the cache's recipe: the copy's files come from the cache with the rest.
-    again = runner.invoke(
-        app,
-        [
-            "build",
-            str(tiny_dir),
-            "--backend",
-            "neuron",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--buckets",
-            "1,2",
-            "--prefill-chunk",
-            "64",
-            "--max-seq",
-            "64",
-            "-o",
-            str(tmp_path / "again"),
-        ],
-    )
+    again = runner.invoke(app, [*command, "-o", str(tmp_path / "again")])
     assert again.exit_code == 0, again.output
     copied = read_manifest(tmp_path / "again").copies
     assert [c.artifact.served for c in copied] == ["cache"] and copied[0].artifact.files == read_manifest(out).copies[0].artifact.files
