@@ -187,6 +187,7 @@ class NeuronDevice(Device):
         self._placed: dict[int, tuple[torch.Tensor, object]] = {}
         self._staging: dict[tuple, list] = {}  # (key, shape, dtype) -> [NrtpyTensor, generation]
         self._copies: dict[tuple, Step] = {}  # (shape, dtype name, dim) -> the bundle's copy NEFF, bound
+        self._copy_args: tuple = (None, [])  # the last copy's (src, dst, n) and their staged tensors
 
     # nrtpy documents no copy from one device tensor to another (from_numpy, write_from_numpy
     # and numpy only): a copy between cache slots runs a NEFF of the bundle's (builder.copies).
@@ -202,8 +203,11 @@ class NeuronDevice(Device):
         step = self._copies.get(at)
         if step is None:
             raise BundleError(f"the bundle has no copy between cache slots of {at[1]}{list(at[0])} along dim {dim} (manifest copies); rebuild it with this aotc")
-        # The NEFF writes the allocation in place (its input aliased to its output).
-        step.run([buffer, *(self.put(torch.tensor([v]), key=("copy", name)) for name, v in (("src", src), ("dst", dst), ("n", n)))])
+        # The three indices are staged once for a copy's every layer and region; the NEFF
+        # writes the allocation in place (its input aliased to its output).
+        if self._copy_args[0] != (src, dst, n):
+            self._copy_args = ((src, dst, n), [self.put(torch.tensor([v]), key=("copy", i)) for i, v in enumerate((src, dst, n))])
+        step.run([buffer, *self._copy_args[1]])
         return buffer.value
 
     def place(self, weight: torch.Tensor):

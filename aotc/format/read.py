@@ -106,10 +106,7 @@ def parse_manifest(data: bytes, source: str, error: type[Exception] = BundleErro
                 )
         for j, art in enumerate(entry.artifacts):
             where = f"{source}: entries[{i}].artifacts[{j}]"
-            art.extra = convert(art.extra, kind.extra_type, f"{where}.extra", error)
-            for name in kind.required_files(art.extra):
-                if name not in art.files:
-                    raise error(f"{where}.files: {name!r} is missing; every {manifest.backend.name} artifact has it. Rebuild the bundle")
+            _typed_extra(art, kind, where, manifest.backend.name, error)
             names = {entry.bucket_kind} | ({"context"} if entry.context_arg is not None else set())
             if set(art.dims) != names or art.dims[entry.bucket_kind] != art.bucket:
                 expected = {entry.bucket_kind: art.bucket} | ({"context": "C"} if entry.context_arg is not None else {})
@@ -148,10 +145,15 @@ def _check_copies(m: Manifest, kind, source: str, error: type[Exception], bad) -
         want = [("cache", c.shape, c.dtype)] + [("activation", [1], "int64")] * 3
         if [(t.kind, t.shape, t.dtype) for t in art.inputs] != want or art.outputs:
             bad(f"{where}.artifact.inputs", f"{[(t.kind, t.shape, t.dtype) for t in art.inputs]}, not the allocation, src, dst and n, with no outputs")
-        art.extra = convert(art.extra, kind.extra_type, f"{source}: {where}.artifact.extra", error)
-        for name in kind.required_files(art.extra):
-            if name not in art.files:
-                raise error(f"{source}: {where}.artifact.files: {name!r} is missing; every {m.backend.name} artifact has it. Rebuild the bundle")
+        _typed_extra(art, kind, f"{source}: {where}.artifact", m.backend.name, error)
+
+
+def _typed_extra(art, kind, where: str, backend: str, error: type[Exception]) -> None:
+    """The artifact's `extra` as its backend's record, and every file that record requires listed."""
+    art.extra = convert(art.extra, kind.extra_type, f"{where}.extra", error)
+    for name in kind.required_files(art.extra):
+        if name not in art.files:
+            raise error(f"{where}.files: {name!r} is missing; every {backend} artifact has it. Rebuild the bundle")
 
 
 ENTRY_ID = re.compile(r"(?P<cls>[A-Za-z_]\w*)\.(?P<method>[A-Za-z_]\w*)(\.v\d+)?")

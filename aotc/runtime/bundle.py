@@ -87,14 +87,7 @@ class Bundle:
                 raise BundleError(f"{path}: cannot run here: {why}; rebuild the bundle on this machine (aotc build)")
             backend.opening(manifest)
         for entry, art in manifest.artifacts():
-            try:
-                art_dir = _copy_files(path / art.dir, art.files, Path(checked.name) / art.dir)
-            except OSError as e:  # a full temp folder
-                checked.cleanup()
-                raise temp_error(e) from None
-            bad = bad_file(art_dir, art.files)
-            if bad:
-                raise BundleError(f"{path / art.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+            art_dir = _checked_copy(path, art, checked)
             if load_artifacts and (only is None or (entry.id, art.bucket, art.context) in only):
                 _check_signature(path, artifact_label(entry.id, art.bucket, art.context), entry.weights, art, backend.signature(art_dir))
                 crossed = crossed_weights(entry, backend.weight_paths(art_dir))
@@ -106,14 +99,7 @@ class Bundle:
                 programs[entry.id, art.bucket, art.context] = backend.load(art_dir, art)
         copies = {}
         for c in manifest.copies:  # the copies between cache slots (builder.copies): no weights
-            try:
-                art_dir = _copy_files(path / c.artifact.dir, c.artifact.files, Path(checked.name) / c.artifact.dir)
-            except OSError as e:
-                checked.cleanup()
-                raise temp_error(e) from None
-            bad = bad_file(art_dir, c.artifact.files)
-            if bad:
-                raise BundleError(f"{path / c.artifact.dir / bad[0].name}: {bad[1]} in {path / MANIFEST}; rebuild the bundle with aotc build")
+            art_dir = _checked_copy(path, c.artifact, checked)
             if load_artifacts:
                 _check_signature(path, c.label, [], c.artifact, backend.signature(art_dir))
                 copies[tuple(c.shape), c.dtype, c.dim] = backend.load(art_dir, c.artifact)
@@ -294,6 +280,19 @@ class DeviceAllocator:
             else:
                 caches[kind] = DeviceCaches(self.device, shape, dtype)
         return caches
+
+
+def _checked_copy(bundle: Path, art, checked: tempfile.TemporaryDirectory) -> Path:
+    """An artifact's files copied into the checked folder, each matching its sha256."""
+    try:
+        art_dir = _copy_files(bundle / art.dir, art.files, Path(checked.name) / art.dir)
+    except OSError as e:  # a full temp folder
+        checked.cleanup()
+        raise temp_error(e) from None
+    bad = bad_file(art_dir, art.files)
+    if bad:
+        raise BundleError(f"{bundle / art.dir / bad[0].name}: {bad[1]} in {bundle / MANIFEST}; rebuild the bundle with aotc build")
+    return art_dir
 
 
 def _copy_files(src: Path, files: dict[str, str], dst: Path) -> Path:
