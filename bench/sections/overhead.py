@@ -1,7 +1,7 @@
 """overhead: tiny model (2 and 8 layers; 2 and 4 under --quick), batch 1 and 8:
 `generate`'s decode step against the time inside its compiled graphs, and the tensors
-the runtime allocates per step outside them; issue 20's target (overhead <= 10% of the
-graph time at batch 1)."""
+the runtime allocates per step outside them; issue 75's targets at 2 layers (host work
+<= 0.25x the graph time at batch 1, <= 0.10x at batch 8)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
-OVERHEAD_BATCHES, OVERHEAD_TOKENS, OVERHEAD_TARGET = (1, 8), 64, 0.10  # 16 tokens, one run under --quick
+OVERHEAD_BATCHES, OVERHEAD_TOKENS = (1, 8), 64  # 16 tokens, one run under --quick
+OVERHEAD_TARGETS = {1: 0.25, 8: 0.10}  # host / graphs at 2 layers, by batch
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -34,6 +35,27 @@ class AllocationCounter(TorchDispatchMode):
             given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             self.count += sum(t.untyped_storage().data_ptr() not in given for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+def host_split(decodes: list[tuple[float, float]], graphs: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a decode step's time goes, on average over the steps, in seconds: from each
+    `model.decode` call's (start, end) and its graphs' (start, end), every call making
+    as many graph calls (its layers, then the head). Outside the model: the engine's
+    bookkeeping between one call's end and the next one's start (sampling, tokens, stops).
+    Inside it: before the first graph (the embedding and RoPE rows, the first layer's
+    dispatch), between graphs (a layer's dispatch), after the last."""
+    calls, rest = divmod(len(graphs), len(decodes))
+    if rest or not calls:
+        raise RuntimeError(f"overhead: {len(graphs)} graph calls in {len(decodes)} decode calls: the timed graphs are not decode's alone")
+    steps = [(d, graphs[i * calls : (i + 1) * calls]) for i, d in enumerate(decodes)]
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    return {
+        "graphs": mean([sum(e - s for s, e in g) for _, g in steps]),
+        "engine": mean([b[0] - a[1] for a, b in zip(decodes, decodes[1:])]),
+        "before the first graph": mean([g[0][0] - d[0] for d, g in steps]),
+        "between graphs": mean([b[0] - a[1] for _, g in steps for a, b in zip(g, g[1:])]),
+        "after the last graph": mean([d[1] - g[-1][1] for d, g in steps]),
+    }
 
 
 @section("overhead")
@@ -54,16 +76,23 @@ def overhead(run: Run) -> dict:
             for what in ("graphs", "allocations"):
                 bundle, model = Bundle.load(out), load_model(model_dir).model
                 bundle.bind(model)
-                decoding, clock, counter = [False], [0.0], AllocationCounter()
+                decoding, spans, decodes, counter = [False], [], [], AllocationCounter()
 
                 def timed(fn, key):
                     def call(args, call=0):
                         t0 = time.perf_counter()
                         outs = fn(args, call)
-                        clock[0] += (time.perf_counter() - t0) if decoding[0] else 0.0
+                        if decoding[0]:
+                            spans.append((t0, time.perf_counter()))
                         return outs
 
                     return call
+
+                def decode_timed(ids, positions, caches, decode=model.decode):
+                    t0 = time.perf_counter()
+                    logits = decode(ids, positions, caches)
+                    decodes.append((t0, time.perf_counter()))
+                    return logits
 
                 def uncounted(fn, key):
                     def call(args, call=0):
@@ -73,6 +102,8 @@ def overhead(run: Run) -> dict:
                     return call
 
                 Bundle.wrap_steps(model, timed if what == "graphs" else uncounted)
+                if what == "graphs":
+                    model.decode = decode_timed  # this instance's: the engine calls model.decode
 
                 def started(i, s):  # the first token comes from prefill: decode starts after it
                     decoding[0] = counter.on = True
@@ -80,26 +111,31 @@ def overhead(run: Run) -> dict:
                 kw = dict(max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False, threads=torch.get_num_threads(), on_token=started)
                 samples = []
                 for _ in range(1 if what == "allocations" else runs):
-                    decoding[0], clock[0] = False, 0.0
+                    decoding[0] = False
+                    spans.clear()
+                    decodes.clear()
                     with counter if what == "allocations" else contextlib.nullcontext():
                         g = generate(model, prompts, tokens, **kw)
-                    samples.append((g.decode_s / g.decode_steps, clock[0] / g.decode_steps) if what == "graphs" else counter.count / g.decode_steps)
-                figures[what] = min(samples)  # the quietest run: noise only adds
-            (figures["step"], figures["graphs"]) = figures["graphs"]
+                    samples.append((g.decode_s / g.decode_steps, host_split(decodes, spans)) if what == "graphs" else counter.count / g.decode_steps)
+                figures[what] = min(samples, key=lambda s: s[0]) if what == "graphs" else min(samples)  # the quietest run: noise only adds
+            figures["step"], split = figures["graphs"]
+            figures["graphs"] = split["graphs"]
             share = (figures["step"] - figures["graphs"]) / figures["graphs"]
             rows.append({
                 "bundle": run.aotc, "layers": layers, "batch": batch, "step ms": figures["step"] * 1e3, "in graphs ms": figures["graphs"] * 1e3,
                 "host us per step": (figures["step"] - figures["graphs"]) * 1e6, "overhead / graphs": share,
-                "allocations per step": figures["allocations"], "target met": layers != 2 or batch != 1 or share <= OVERHEAD_TARGET,
+                **{f"host us: {part}": split[part] * 1e6 for part in ("engine", "before the first graph", "between graphs", "after the last graph")},
+                "allocations per step": figures["allocations"], "target": OVERHEAD_TARGETS[batch] if layers == 2 else None,
+                "target met": layers != 2 or share <= OVERHEAD_TARGETS[batch],
             })  # fmt: skip
     misses = [
-        f"tiny (2 layers), batch 1: host work {r['host us per step']:.0f} us a step, {r['overhead / graphs']:.0%} of the {r['in graphs ms'] * 1e3:.0f} us in graphs"
+        f"tiny (2 layers), batch {r['batch']}: host work {r['host us per step']:.0f} us a step, {r['overhead / graphs']:.2f}x the {r['in graphs ms'] * 1e3:.0f} us in graphs (target {r['target']:.2f}x)"
         for r in rows
         if not r["target met"]
     ]
-    table(f"decode step of generate against its compiled graphs, tiny model (ms); target: overhead <= {OVERHEAD_TARGET:.0%} at batch 1", rows)
+    table("decode step of generate against its compiled graphs, tiny model (ms); targets at 2 layers: host <= 0.25x graphs at batch 1, 0.10x at batch 8", rows)
     print_misses(misses)
     return {
         "model": "tiny", "unit": "ms per decode step of generate, and in its compiled graphs", "tokens": tokens,
-        "target": f"overhead <= {OVERHEAD_TARGET:.0%} of the graph time at batch 1 (2 layers)", "misses": misses, "rows": rows,
+        "target": "host work <= 0.25x the graph time at batch 1, <= 0.10x at batch 8 (2 layers)", "misses": misses, "rows": rows,
     }  # fmt: skip
