@@ -249,6 +249,8 @@ def test_overhead_rows_are_each_layer_count_and_batch(bench):
         assert math.isclose(r["host us per step"], (r["step ms"] - r["in graphs ms"]) * 1e3)
         assert r["target met"] == (r["layers"] != 2 or r["overhead / graphs"] <= {1: 0.25, 8: 0.10}[r["batch"]])  # issue 75's
         assert all(r[f"host us: {part}"] > 0 for part in ("engine", "before the first graph", "between graphs", "after the last graph"))
+        in_step = r["host us: before the first graph"] + r["layers"] * r["host us: between graphs"] + r["host us: after the last graph"]
+        assert math.isclose(r["model.decode host us in the step"], in_step) and r["alone, graphs stubbed"] > 0
     by = {(r["layers"], r["batch"]): r["allocations per step"] for r in rows}
     assert by[2, 1] == by[4, 1] and by[2, 8] == by[4, 8]  # the runtime's work per step does not grow with the layers
 
