@@ -12,7 +12,7 @@ positions, and for two ways of writing the cache in the loop (through the layer'
 the allocation, as aotc's per-layer graphs write theirs, or into the whole allocation at the
 layer's index): whether torch.export takes the loop with grad enabled and under no_grad;
 the AOTInductor package's result and caches against four calls of the one-layer package;
-and the time of one call of the loop against those four calls, best of 5. A loop that wrote
+and the time of one call of the loop against those four calls, best of 5 (common.timeit). A loop that wrote
 the caches in place would not grow with the cache's positions more than the calls do.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import timeit
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import console, table, timeit  # noqa: E402
 
 from aotc.format import encode, write_atomic  # noqa: E402
 
@@ -79,10 +78,6 @@ class Stacked(torch.nn.Module):
         return torch.while_loop(more, body, (torch.zeros((), dtype=torch.long), x))[1]
 
 
-def best(fn) -> float:
-    return min(timeit.repeat(fn, number=200, repeat=5)) / 200
-
-
 def package(module, args, path: Path):
     return torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(torch.export.export(module, args), package_path=str(path)))
 
@@ -104,7 +99,7 @@ def measure(positions_n: int, tmp: Path) -> list[dict]:
             for i in range(LAYERS):
                 y = one(y, positions, caches[i], wk[i], wo[i])
 
-        per_layer_s = best(per_layer)
+        per_layer_s = timeit(per_layer, best=True)
     for write in ("slice", "root"):
         row = {"cached positions": positions_n, "cache MB": caches.nbytes / 1e6, "loop writes": write}
         try:
@@ -120,7 +115,7 @@ def measure(positions_n: int, tmp: Path) -> list[dict]:
             torch.testing.assert_close(mine, expected_caches)  # written in place, through the loop's own input
             row["export, no_grad"] = "taken, equal"
             row["a call per layer us"] = per_layer_s * 1e6
-            row["one loop call us"] = best(lambda: stacked(x, positions, mine, wk, wo)) * 1e6
+            row["one loop call us"] = timeit(lambda: stacked(x, positions, mine, wk, wo), best=True) * 1e6
         row["loop / per layer"] = row["one loop call us"] / row["a call per layer us"]
         rows.append(row)
     return rows
