@@ -201,14 +201,14 @@ def test_prefill_chunks_cover_the_prompt_and_count_their_padding(bench):
 
 
 def test_chat_packs_a_batchs_prompts_and_rates_the_rows_it_ran(bench):
-    """One 38-token prompt runs as one call of 64 rows (not three of 16, nor one of 128),
-    four as 128 + 24 (192 rows, two calls: a step prefills the largest chunk, 128 tokens);
+    """One 38-token prompt runs as one call of 48 rows (not three of 16, nor one of 160),
+    four as one call of 160 rows (a step prefills up to the largest chunk, 160 tokens);
     the first tokens are eager's; the ratios and GFLOP/s are of the columns."""
     run, sections = bench
     result = sections["chat"](run)
     one, four = result["rows"]
-    assert (one["prompts"], one["tokens"], one["chunks"], one["rows computed"]) == (1, 38, "38", 64)
-    assert (four["prompts"], four["tokens"], four["chunks"], four["rows computed"]) == (4, 152, "128+24", 192)
+    assert (one["prompts"], one["tokens"], one["chunks"], one["rows computed"]) == (1, 38, "38", 48)
+    assert (four["prompts"], four["tokens"], four["chunks"], four["rows computed"]) == (4, 152, "152", 160)
     assert one["first tokens as eager's"] and four["first tokens as eager's"]
     for r in (one, four):
         assert math.isclose(r["aotc/eager"], ratio(r, "aotc ms", "eager ms"))

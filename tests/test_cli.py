@@ -142,6 +142,17 @@ def test_console_script_help():
         assert command in r.stdout
 
 
+def test_build_options_defaults_are_the_builders():
+    """The CLI spells its bucket defaults as text (its modules import no torch for --help):
+    they must be BuildOptions' defaults, which the Python API and the benchmark build with."""
+    from aotc.builder import parse_buckets
+    from aotc.builder.options import DEFAULT_BATCH_BUCKETS, DEFAULT_CHUNK_BUCKETS
+    from aotc.cli.common import BUCKETS, PREFILL_CHUNK
+
+    assert parse_buckets(BUCKETS.default, "--buckets") == DEFAULT_BATCH_BUCKETS
+    assert f"default: {','.join(map(str, DEFAULT_CHUNK_BUCKETS))}, each at most --max-seq" in PREFILL_CHUNK.help
+
+
 def test_build_says_which_layers_each_variant_serves(tmp_path):
     r = invoke("init", "tiny", tmp_path / "q", "--arch", "qwen2", "--layers", 3, "--set", "use_sliding_window=true", "--set", "sliding_window=16", "--set", "max_window_layers=1")
     assert r.exit_code == 0, r.output

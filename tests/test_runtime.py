@@ -379,6 +379,18 @@ def test_default_context_buckets_are_256_times_powers_of_4_below_max_seq(tiny_di
     assert given.context_buckets == (64, max_seq)
 
 
+@pytest.mark.parametrize("max_seq, chunks", [(1024, (16, 48, 160)), (160, (16, 48, 160)), (128, (16, 48, 128)), (32, (16, 32)), (8, (8,))])
+def test_default_chunk_buckets_are_cut_to_max_seq(tiny_dir, max_seq, chunks):
+    """A build that names no chunks takes the defaults, each at most max_seq; chunks the
+    user names are checked, not cut (the error names both options)."""
+    options = BuildOptions(tiny_dir, max_seq=max_seq)
+    options.resolve_chunks()
+    assert options.chunk_buckets == chunks
+    given = BuildOptions(tiny_dir, max_seq=max_seq, chunk_buckets=(8, 2048))
+    with pytest.raises(AotcError, match=rf"--prefill-chunk 8,2048: 2048 is more than --max-seq {max_seq}"):
+        given.resolve_chunks()
+
+
 class _HostAsDevice:
     """A resident device made of host tensors: put, get and hold copy, as a real device's
     transfers do, so the runtime's resident path (caches as device allocations, outputs

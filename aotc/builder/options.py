@@ -16,12 +16,12 @@ from ..models.loader import MODELING, modeling_of
 from ..parallel import flag, record
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
-# A chat turn runs in one call of 16 or 64 rows instead of padding to 128, and a step of
-# several prompts or a long one in calls of 128 (bench/chunk_buckets.py, interleaved,
-# against 16,64: four 38-token prompts 0.89x fp32 and 0.88x bf16, a 500-token prompt
-# 0.82x fp32, for 1.2x the build). 16,32,64,128 gains a little more at four prompts
-# (0.80x) for 1.45x the build; one call of 256 for four prompts was slower (1.16x, fp32).
-DEFAULT_CHUNK_BUCKETS = (16, 64, 128)
+# A chat turn runs in one call of 16 or 48 rows, and four of them (152 tokens, packed) or a
+# long prompt's chunks in calls of 160: a call costs about 35 rows' work whatever its rows
+# (it reads every weight), so fewer, fuller calls win. bench/chunk_buckets.py, interleaved,
+# 2026-12-06, against 16,64,128 (the same 15 prefill graphs): one 38-token prompt 0.81x
+# to 0.97x, four 0.72x to 0.81x, a 500-token prompt 0.90x to 1.10x (noise), fp32 and bf16.
+DEFAULT_CHUNK_BUCKETS = (16, 48, 160)
 DEFAULT_MAX_SEQ = 1024
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")
 
@@ -79,7 +79,8 @@ class BuildOptions:
     model_dir: Path
     out: Path | None = None
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    chunk_buckets: tuple[int, ...] = DEFAULT_CHUNK_BUCKETS
+    # Prefill chunk lengths. Default: DEFAULT_CHUNK_BUCKETS, each at most max_seq; set by plan.
+    chunk_buckets: tuple[int, ...] | None = None
     max_seq: int | None = None  # default: min(max_position_embeddings, DEFAULT_MAX_SEQ), set by plan
     # Decode graphs per context bucket (the cache positions they read); max_seq always
     # joins. Default: powers of 4 from 256 below max_seq, then max_seq; set by plan.
@@ -183,6 +184,18 @@ class BuildOptions:
             tensor_parallel=manifest.parallel.tensor_parallel, expert_parallel=manifest.parallel.expert_parallel,
             data_parallel_attention=manifest.parallel.attention == "data-parallel", force=True,  # nothing is written: no -o to check
         )  # fmt: skip
+
+    def resolve_chunks(self) -> None:
+        """Fill in chunk_buckets from max_seq (set first): the defaults, each cut to
+        max_seq (a chunk's tokens all go into the cache), or the given ones checked."""
+        if self.chunk_buckets is None:
+            self.chunk_buckets = tuple(sorted({min(c, self.max_seq) for c in DEFAULT_CHUNK_BUCKETS}))
+        long = [c for c in self.chunk_buckets if c > self.max_seq]
+        if long:
+            raise AotcError(
+                f"--prefill-chunk {','.join(map(str, self.chunk_buckets))}: {long[0]} is more than --max-seq {self.max_seq}; "
+                "a chunk's tokens all go into the cache, so a chunk is at most max_seq tokens"
+            )
 
     def resolve_contexts(self) -> None:
         """Fill in context_buckets from max_seq (set first): the default, or the given ones

@@ -62,12 +62,7 @@ def resolve(options: BuildOptions) -> tuple[dict, type, Backend]:
             f"--max-seq {options.max_seq}: {options.model_dir / 'config.json'}'s max_position_embeddings is {positions}, where the "
             f"model's positions end (its rotary tables and trained range), as an eager run's do; give at most {positions}"
         )
-    long = [c for c in options.chunk_buckets if c > options.max_seq]
-    if long:
-        raise AotcError(
-            f"--prefill-chunk {','.join(map(str, options.chunk_buckets))}: {long[0]} is more than --max-seq {options.max_seq}; "
-            "a chunk's tokens all go into the cache, so a chunk is at most max_seq tokens"
-        )
+    options.resolve_chunks()
     options.resolve_contexts()
     return config_dict, arch.model_class, options.make_backend()
 

@@ -44,7 +44,7 @@ def build(
         None, help="Hugging Face model folder (config.json, *.safetensors), or a Hub id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."
     ),
     buckets: str = BUCKETS,
-    prefill_chunk: str = PREFILL_CHUNK,
+    prefill_chunk: Optional[str] = PREFILL_CHUNK,
     max_seq: Optional[int] = MAX_SEQ,
     context_buckets: Optional[str] = CONTEXT_BUCKETS,
     backend: Optional[str] = BACKEND,

@@ -71,7 +71,7 @@ def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, 
     options = BuildOptions(
         model_dir,
         batch_buckets=parse_buckets(buckets, "--buckets"),
-        chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk"),
+        chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk") if prefill_chunk is not None else None,
         max_seq=max_seq,
         context_buckets=parse_buckets(context_buckets, "--context-buckets") if context_buckets is not None else None,
         backend=backend,
@@ -89,8 +89,8 @@ BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma
 
 
 PREFILL_CHUNK = typer.Option(
-    "16,64,128", "--prefill-chunk",
-    help="Prefill chunk lengths, comma-separated: a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
+    None, "--prefill-chunk", show_default=False,
+    help="Prefill chunk lengths, comma-separated (default: 16,48,160, each at most --max-seq): a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
 )  # fmt: skip
 
 

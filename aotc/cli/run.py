@@ -16,8 +16,8 @@ from ..errors import AotcError
 from ..models.corpus import CORPUS
 from .common import PLUGIN, _encode, _fail, _options, _print_algorithms, _stop_on_sigterm, _tokenizer, app, console, err_console
 
-# The smoke prompts of `aotc run`: four lengths, the last longer than two
-# prefill chunks of 128 with the tiny model's tokenizer.
+# The smoke prompts of `aotc run`: four lengths, the last (412 tokens with the tiny
+# model's tokenizer) longer than two prefill chunks of 160, the largest default.
 DEFAULT_PROMPTS = (
     "Hello, world!",
     "What is the capital of France?",
@@ -32,7 +32,7 @@ def run(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or Hugging Face Hub id (ORG/NAME) with the weights (default: the one the bundle was built from)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of --model ORG/NAME."),
     prompt: list[str] = typer.Option(
-        [], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 128, cut to fit the bundle)."
+        [], "--prompt", show_default=False, help="Prompt text; repeat for a batch (default: four smoke prompts, one longer than two chunks of 160, cut to fit the bundle)."
     ),
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as a user turn through the model's chat template (tokenizer_config.json), as instruct models expect."),
     messages: list[Path] = typer.Option(

@@ -306,7 +306,8 @@ class Dispatcher:
 # What a call costs beyond its rows, in rows: a prefill call of few rows is bound by
 # reading the layer's weights once (SmolLM2-135M, 2 CPU threads, a layer: fp32 1.53 ms
 # for 16 rows and 2.94 ms for 64, about 36 rows' worth a call; bf16 on AMX about 80); so
-# 38 rows run as one call of 64, not three of 16. A GPU's call costs more rows still.
+# with chunks 16 and 64, 38 rows run as one call of 64, not three of 16. A GPU's call
+# costs more rows still.
 CALL_ROWS = 48
 
 
