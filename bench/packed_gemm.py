@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -96,8 +97,6 @@ def packed_as_input(tmp: Path) -> str:
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
-        import traceback
-
         where = traceback.extract_tb(cause.__traceback__)[-1]
         return f"AOTInductor refused: {type(e).__name__} at {Path(where.filename).name}:{where.lineno} ({where.line})"
     got = torch._inductor.aoti_load_package(path)(x, packed)
