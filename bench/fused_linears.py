@@ -31,10 +31,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import console, table  # noqa: E402
+from packed_gemm import HIDDEN, INTER, KV, LAYERS  # noqa: E402  SmolLM2-135M's linear shapes, one place
 
 from aotc.format import encode, write_atomic  # noqa: E402
 
-HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 ROWS = (48, 160)
 
 
