@@ -34,12 +34,13 @@ class Shapes:
         """How many cache positions the example caches expose."""
         return self.context or self.max_seq
 
-    def cache(self, kind: str, position_dim: int) -> torch.Tensor:
+    def cache(self, kind: str, position_dim: int, *, layers: bool = False) -> torch.Tensor:
         """Zeros of one layer's `kind` cache (its cache_specs() allocation without the
-        layer dim), narrowed to the first positions the graph reads: `position_dim`
-        holds max_seq positions or a fixed fraction of them (compressed entries)."""
+        layer dim; with `layers`, the whole allocation, every layer's), narrowed to the
+        first positions the graph reads: `position_dim` holds max_seq positions or a fixed
+        fraction of them (compressed entries)."""
         if kind not in self.caches:
             raise TraceError(f"example_inputs asks for a {kind!r} cache; the model's cache_specs() has {', '.join(sorted(self.caches)) or 'none'}")
         shape, dtype = self.caches[kind]
-        whole = torch.zeros(shape[1:], dtype=dtype)
+        whole = torch.zeros(shape if layers else shape[1:], dtype=dtype)
         return whole.narrow(position_dim, 0, whole.shape[position_dim] * self.positions // self.max_seq)

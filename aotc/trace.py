@@ -78,12 +78,36 @@ class TracedGraph:
 # -- finding entries and variants ----------------------------------------------
 
 
-def find_variants(model: nn.Module, shapes: Shapes) -> list[Variant]:
-    """All entry methods of the model's modules, split into variants."""
+def whole_step_refusal(model: nn.Module, loops: bool) -> str | None:
+    """Why a build makes no whole step of the model (None: it does). loops: the backend
+    runs a whole step's loop (Backend.loops)."""
+    if not loops:
+        return "the backend builds no loops"
+    if stored_of(model):
+        return "weights stored in low precision: their layers' graphs dequantize them"
+    return model.whole_step_refusal()
+
+
+def unbuilt(model: nn.Module, loops: bool) -> frozenset[tuple[type, str]]:
+    """The (class, method) entries a build leaves out: of each whole step
+    (CausalLM.whole_step_replaces) and the entries it replaces, the side it does not make."""
+    replaces = model.whole_step_replaces() if hasattr(model, "whole_step_replaces") else {}
+    whole = bool(replaces) and whole_step_refusal(model, loops) is None
+    return frozenset(m for method, replaced in replaces.items() for m in (replaced if whole else {(type(model), method)}))
+
+
+def find_variants(model: nn.Module, shapes: Shapes, loops: bool = False) -> list[Variant]:
+    """All entry methods of the model's modules, split into variants: each whole step in
+    place of the entries it replaces where `loops` (the backend runs them) and the model
+    allow it, else those entries (unbuilt). The side left out is left out before any entry
+    runs: a whole step that the configuration refuses may not run at all (on fp8 caches'
+    packed rows)."""
+    skip = unbuilt(model, loops)
     groups: dict[tuple[type, str], list[tuple[str, nn.Module]]] = {}
     for path, module in model.named_modules():
         for method in entries_of(type(module)):
-            groups.setdefault((type(module), method), []).append((path, module))
+            if (type(module), method) not in skip:
+                groups.setdefault((type(module), method), []).append((path, module))
     variants = []
     for (cls, method), instances in groups.items():
         spec = entries_of(cls)[method]

@@ -1,29 +1,26 @@
-"""A decode step as one compiled graph, on the tiny model: would it meet issue 75's host target?
+"""A decode step as one compiled graph against a graph per layer, the same model, the same run.
 
-    python bench/whole_step.py [--layers 2 8] [--batches 1 8] [--rounds 5] [--out bench/results/whole_step.json]
+    python bench/whole_step.py [--models tiny-2 tiny-8 100m] [--batches 1 8] [--rounds 5] [--out bench/results/whole_step.json]
 
-The bundle's step calls a graph per layer and one for the head, with the embedding, the
-RoPE rows and the argmax on the host between them (`overhead` section: the host work is
-0.6x the graphs' time at batch 1). The whole step here is one AOTInductor graph: the
-embedding, the RoPE rows, every layer in a torch.while_loop over the layers' weights
-stacked [layers, ...] (each iteration writes its layer of the root cache allocations at
-the layer's index: bench/stacked_layers.py found writes through a layer's slice copied the
-cache), the final norm, the head and the argmax. Its layer is llama's decode layer
-(aotc.models.llama: the same rotate, visible and softmax_attend), weights as tensors.
-
-For each layer count: the whole step's export and compile time (Inductor's caches in a
-fresh folder each time, after one compile that warms the process), its logits against the eager model's
-over 16 greedy steps (aotc's fp32 tolerance, runtime.check) with the same tokens, then
-interleaved rounds of two decode loops at position 100: the bundle's (model.decode, the
-argmax, the tokens to a list) and the whole step's (one call, the tokens to a list). Each
-loop clocks its graph calls, so host work = step - graphs, from the same run; the quickest
-round of each is kept (noise only adds).
+On the CPU, aotc builds a llama model's decode as one graph, the whole step
+(LlamaForCausalLM.decode_step: every layer in a torch.while_loop over the layers' stacked
+weights, with the RoPE rows, the embedding, the head and the argmax). Backends that run no
+loops build a graph per layer and one for the head, with the embedding, the RoPE rows and the
+argmax on the host between them. This script builds both kinds of inductor bundle of each
+model: the whole step as `aotc build` makes it, and a graph per layer with the backend's
+loops turned off in this process (as the xla and neuron backends build). It checks each
+bundle's logits against the eager model's over 16 greedy steps (aotc's fp32 tolerance,
+runtime.check, the same tokens), then times interleaved rounds of two decode loops at
+position 100 (`model.decode_tokens`, the tokens to a list: what the engine's step does),
+each clocking its graph calls, so that host work = step - graphs comes from the same run;
+the quickest round of each is kept (noise only adds). Also each whole step's compile time
+at 2 and 8 layers, from the build's own records.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import sys
 import tempfile
 import time
@@ -31,114 +28,91 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import console, table  # noqa: E402
 
+import torch  # noqa: E402
+from common import M100, POSITIONS, console, table  # noqa: E402
+
+from aotc.backends.inductor import InductorBackend  # noqa: E402
 from aotc.builder import BuildOptions, build  # noqa: E402
 from aotc.format import encode, write_atomic  # noqa: E402
-from aotc.models.llama import rotate, softmax_attend, visible  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
 from aotc.runtime import Bundle  # noqa: E402
 from aotc.runtime.check import tolerance_for  # noqa: E402
 from aotc.runtime.sampling import greedy  # noqa: E402
 
-MAX_SEQ, POSITION, CHECKED_STEPS = 256, 100, 16
-STEPS = 200  # decode steps a timed loop runs
+MAX_SEQ, POSITION, CHECKED_STEPS, STEPS = 256, 100, 16, 200
+MODELS = {"tiny-2": dict(layers=2), "tiny-8": dict(layers=8), "100m": dict(layers=8, **M100, **POSITIONS)}
+STEP = "LlamaForCausalLM.decode_step"
 
 
-def rms_norm(x, weight, eps):
-    """llama.RMSNorm's forward, its weight as a tensor."""
-    dtype = x.dtype
-    x = x.float()
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+@contextlib.contextmanager
+def no_loops():
+    """The inductor backend as one without loops builds: a graph per layer."""
+    init = InductorBackend.__init__
+
+    def per_layer(self, *args, **kw):
+        init(self, *args, **kw)
+        self.loops = False
+
+    InductorBackend.__init__ = per_layer
+    try:
+        yield
+    finally:
+        InductorBackend.__init__ = init
 
 
-class WholeStep(torch.nn.Module):
-    """ids, positions, slots [B] -> logits [B, vocab] float32 and their argmax [B], writing
-    every layer's keys and values into the root caches k, v [layers, slots, kv_heads,
-    max_seq, head_dim]. `names`: a layer's parameter names, in the order of the stacked
-    weights that end the arguments."""
-
-    def __init__(self, model, names: list[str]):
-        super().__init__()
-        attention, config = model.model.layers[0].self_attn, model.config
-        self.names, self.eps = names, config.rms_norm_eps
-        self.heads, self.kv_heads, self.head_dim, self.window, self.scale = attention.heads, attention.kv_heads, attention.head_dim, attention.window, attention.scale
-
-    def forward(self, ids, positions, slots, k, v, cos_table, sin_table, embed, norm, head, *stacked):
-        b, hd, rep = ids.shape[0], self.head_dim, self.heads // self.kv_heads
-        x, cos, sin = F.embedding(ids, embed), cos_table[positions], sin_table[positions]
-        mask = visible(positions, k.shape[3], self.window)[:, None, None, :]
-        layers = stacked[0].shape[0]
-
-        def more(i, x):
-            return i < layers
-
-        def body(i, x):
-            j = i.item()
-            torch._check(j >= 0)
-            torch._check(j < layers)
-            w = dict(zip(self.names, (s.select(0, j) for s in stacked)))
-            a = rms_norm(x, w["input_layernorm.weight"], self.eps)
-            q = rotate(F.linear(a, w["self_attn.q_proj.weight"]).view(b, self.heads, hd), cos, sin)
-            keys = rotate(F.linear(a, w["self_attn.k_proj.weight"]).view(b, self.kv_heads, hd), cos, sin)
-            k[i.expand(b), slots, :, positions] = keys  # the root allocation at the layer's index
-            v[i.expand(b), slots, :, positions] = F.linear(a, w["self_attn.v_proj.weight"]).view(b, self.kv_heads, hd)
-            out = softmax_attend(q.view(b, self.kv_heads, rep, hd), k.select(0, j)[:b], v.select(0, j)[:b], mask, self.scale)
-            h = x + F.linear(out.reshape(b, self.heads * hd), w["self_attn.o_proj.weight"])
-            m = rms_norm(h, w["post_attention_layernorm.weight"], self.eps)
-            return i + 1, h + F.linear(F.silu(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
-
-        x = torch.while_loop(more, body, (torch.zeros((), dtype=torch.long), x))[1]
-        logits = F.linear(rms_norm(x, norm, self.eps), head).float()
-        return logits, logits.argmax(-1)
-
-
-def whole_step(model, batch: int, path: Path):
-    """(the loaded package's boxed call, the arguments after ids and positions, seconds to
-    export and compile): the whole step of `model` at `batch` rows, its weights stacked."""
-    layers = model.model.layers
-    if model.config.qkv_bias or model.config.o_bias or model.config.mlp_bias or not all(type(m) is type(layers[0]) for m in layers):
-        raise SystemExit("whole_step: llama layers without biases only")
-    names = [n for n, _ in layers[0].named_parameters()]
-    stacked = [torch.stack([dict(layer.named_parameters())[n].detach() for layer in layers]) for n in names]
-    caches = model.allocate_caches(batch + 1, MAX_SEQ)
-    model.rope(torch.arange(MAX_SEQ))
-    rest = [torch.arange(batch), caches["k"], caches["v"], *model.rope_tables]
-    rest += [model.model.embed_tokens.weight.detach(), model.head.norm.weight.detach(), model.head.lm_head.weight.detach(), *stacked]
-    ids, positions = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
-    # Inductor's caches in a fresh folder (read at each compile), so that no count reuses
-    # what another compiled.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="aotc-whole-step-inductor-")
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        program = torch.export.export(WholeStep(model, names), (ids, positions, *rest))
-        package = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-    compile_s = time.perf_counter() - t0
-    return torch._inductor.aoti_load_package(package).loader.boxed_run, rest, compile_s
-
-
-def check(model, run, rest, batch: int, tolerance: float) -> float:
-    """The whole step's logits against eager decode over CHECKED_STEPS greedy steps from
-    empty caches: the largest error (runtime.check's), tokens equal, else an exit."""
-    caches = model.allocate_caches(batch + 1, MAX_SEQ)
+def check(model_dir: Path, out: Path, batch: int, tolerance: float) -> float:
+    """The bundle's logits against eager's over CHECKED_STEPS greedy steps from empty caches:
+    the largest error (runtime.check's), tokens equal, else an exit."""
+    eager, bound = load_model(model_dir).model, load_model(model_dir).model
+    bundle = Bundle.load(out)
+    bundle.bind(bound)
+    caches = {m: m.allocate_caches(bundle.cache_slots, bundle.max_seq, split=m is bound) for m in (eager, bound)}
     ids, worst = torch.arange(5, 5 + batch), 0.0
     for step in range(CHECKED_STEPS):
         positions = torch.full((batch,), step)
-        expected = model.decode(ids, positions, caches)
-        logits, chosen = run([ids, positions, *rest])
+        expected = eager.decode(ids, positions, caches[eager])
+        logits, chosen = bound.decode_tokens(ids, positions, caches[bound])
+        chosen = greedy(logits) if chosen is None else chosen
         worst = max(worst, float(((logits - expected).abs() / (1 + expected.abs())).max()))
         if chosen.tolist() != greedy(expected).tolist() or worst > tolerance:
-            raise SystemExit(f"whole_step: step {step}: tokens {chosen.tolist()} against eager's {greedy(expected).tolist()}, error {worst:.2e} (allowed {tolerance:.0e})")
+            raise SystemExit(
+                f"whole_step: {out.name}, step {step}: tokens {chosen.tolist()} against eager's {greedy(expected).tolist()}, error {worst:.2e} (allowed {tolerance:.0e})"
+            )
         ids = chosen
     return worst
 
 
+def decode_loop(model_dir: Path, out: Path, batch: int):
+    """A step function of the bound model at `batch` rows, and the list its graph calls
+    append their seconds to."""
+    bundle, model = Bundle.load(out), load_model(model_dir).model
+    bundle.bind(model)
+    graphs: list[float] = []
+
+    def clocked(fn, key):
+        def call(args, call=0):
+            t0 = time.perf_counter()
+            outs = fn(args, call)
+            graphs.append(time.perf_counter() - t0)
+            return outs
+
+        return call
+
+    Bundle.wrap_steps(model, clocked)
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    ids, positions = torch.arange(5, 5 + batch), torch.full((batch,), POSITION)
+
+    def step():
+        logits, chosen = model.decode_tokens(ids, positions, caches)
+        return (greedy(logits) if chosen is None else chosen).tolist()
+
+    return step, graphs
+
+
 def loop(step, graphs: list) -> tuple[float, float]:
-    """(seconds per step, seconds in graphs per step) of STEPS calls of step(), whose
-    graph calls append their seconds to `graphs`."""
+    """(seconds per step, seconds in graphs per step) over STEPS calls."""
     step()
     graphs.clear()
     t0 = time.perf_counter()
@@ -147,68 +121,44 @@ def loop(step, graphs: list) -> tuple[float, float]:
     return (time.perf_counter() - t0) / STEPS, sum(graphs) / STEPS
 
 
-def measure(root: Path, layers: int, batches: list[int], rounds: int) -> list[dict]:
-    model_dir = write_tiny(root / f"tiny-{layers}", layers=layers)
-    out = root / f"bundle-{layers}"
-    build(BuildOptions(model_dir, out=out, backend="inductor", batch_buckets=tuple(batches), chunk_buckets=(128,), max_seq=MAX_SEQ))
-    model = load_model(model_dir).model
+def measure(root: Path, name: str, batches: list[int], rounds: int) -> list[dict]:
+    model_dir = write_tiny(root / name, **MODELS[name])
+    kw = dict(backend="inductor", batch_buckets=tuple(batches), chunk_buckets=(16,), max_seq=MAX_SEQ)
+    whole = build(BuildOptions(model_dir, out=root / f"{name}-whole", **kw))
+    with no_loops():
+        layers = build(BuildOptions(model_dir, out=root / f"{name}-layers", **kw))
+    if STEP not in [e.id for e in whole.manifest.entries] or STEP in [e.id for e in layers.manifest.entries]:
+        raise SystemExit(f"whole_step: {name}: the bundles are not a whole step and a graph per layer")
+    compile_s = {a.bucket: a.compile_s for a in whole.manifest.entry(STEP).artifacts}  # kept with a cached artifact too
     rows = []
     for batch in batches:
-        run, rest, compile_s = whole_step(model, batch, root / f"whole-{layers}-{batch}.pt2")
-        error = check(model, run, rest, batch, tolerance_for("inductor"))
-        bundle, bound = Bundle.load(out), load_model(model_dir).model
-        bundle.bind(bound)
-        graphs: list[float] = []
-
-        def clocked(fn, key):
-            def call(args, call=0):
-                t0 = time.perf_counter()
-                outs = fn(args, call)
-                graphs.append(time.perf_counter() - t0)
-                return outs
-
-            return call
-
-        Bundle.wrap_steps(bound, clocked)
-        caches = bound.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
-        ids, positions = torch.arange(5, 5 + batch), torch.full((batch,), POSITION)
-
-        def per_layer():
-            return greedy(bound.decode(ids, positions, caches)).tolist()
-
-        def whole():
-            t0 = time.perf_counter()
-            outs = run([ids, positions, *rest])
-            graphs.append(time.perf_counter() - t0)
-            return outs[1].tolist()
-
-        best = {"bundle": (1.0, 0.0), "whole": (1.0, 0.0)}
-        for _ in range(rounds):  # interleaved: the VM's speed drifts between minutes
-            for name, fn in (("bundle", per_layer), ("whole", whole)):
-                best[name] = min(best[name], loop(fn, graphs))
-        (b_step, b_graphs), (w_step, w_graphs) = best["bundle"], best["whole"]
+        errors = {kind: check(model_dir, r.out, batch, tolerance_for("inductor")) for kind, r in (("layers", layers), ("whole", whole))}
+        loops = {kind: decode_loop(model_dir, r.out, batch) for kind, r in (("layers", layers), ("whole", whole))}
+        best = {kind: (1.0, 0.0) for kind in loops}
+        for _ in range(rounds):  # interleaved: this VM's speed drifts between minutes
+            for kind, (step, graphs) in loops.items():
+                best[kind] = min(best[kind], loop(step, graphs))
+        (l_step, l_graphs), (w_step, w_graphs) = best["layers"], best["whole"]
         rows.append({
-            "layers": layers, "batch": batch, "compile s": compile_s, "error": error,
-            "bundle step": b_step * 1e6, "its graphs": b_graphs * 1e6, "host/graphs": (b_step - b_graphs) / b_graphs,
-            "whole step": w_step * 1e6, "its graph": w_graphs * 1e6, "host/graph": (w_step - w_graphs) / w_graphs,
-            "whole/bundle": w_step / b_step,
+            "model": name, "batch": batch, "whole step compile s": compile_s.get(batch), "error": max(errors.values()),
+            "per layer step us": l_step * 1e6, "its graphs us": l_graphs * 1e6, "per layer host/graphs": (l_step - l_graphs) / l_graphs,
+            "whole step us": w_step * 1e6, "its graph us": w_graphs * 1e6, "whole host/graph": (w_step - w_graphs) / w_graphs,
+            "whole / per layer": w_step / l_step,
         })  # fmt: skip
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "whole_step.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="aotc-whole-step-") as tmp:
-        # The process's first compile also pays for what every later one reuses (imports, the compiler's setup).
-        whole_step(load_model(write_tiny(Path(tmp) / "warm", layers=args.layers[0])).model, 1, Path(tmp) / "warm.pt2")
-        rows = [row for n in args.layers for row in measure(Path(tmp), n, sorted(args.batches), args.rounds)]
+        rows = [row for name in args.models for row in measure(Path(tmp), name, sorted(args.batches), args.rounds)]
     table(
-        f"decode step: the bundle's graph per layer against one whole-step graph, tiny model, position {POSITION} (us; torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        f"decode step, a graph per layer against the whole step, position {POSITION} (us; inductor, torch {torch.__version__}, {torch.get_num_threads()} threads)",
         rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

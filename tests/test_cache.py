@@ -607,3 +607,35 @@ def test_remote_entry_with_a_file_missing_or_changed_is_a_reported_miss(tiny_dir
             assert said.endswith("sha256 differs from its record (changed or truncated); ignored") and not remote.down
         else:
             assert "ClientError" in said and remote.down  # a download that fails: the remote is not asked again
+
+
+class _Loop(torch.nn.Module):
+    """A loop whose body is a graph of its own (a whole step's shape, smaller)."""
+
+    def forward(self, x, w):
+        def more(i, x):
+            return i < w.shape[0]
+
+        def body(i, x):
+            return i + 1, x @ w.select(0, i.item()) + 1
+
+        with torch.no_grad():
+            return torch.while_loop(more, body, (torch.zeros((), dtype=torch.long), x))[1]
+
+
+def test_a_change_inside_a_loops_body_changes_the_key():
+    """The graph's code names its loop's body without its code: a body that computes
+    something else must not be served another's artifact."""
+    from types import SimpleNamespace
+
+    from aotc.cache.keys import cache_key
+    from aotc.passes.base import loop_bodies
+
+    gm = torch.export.export(_Loop(), (torch.randn(2, 4), torch.randn(3, 4, 4)), strict=False).graph_module
+    graph = SimpleNamespace(graph_module=gm, inputs=[], outputs=[])
+    before, code = cache_key(graph, ExportBackend()), gm.code
+    body = loop_bodies(gm)[0]
+    add = next(n for n in body.graph.nodes if n.target is torch.ops.aten.add.Tensor and 1 in n.args)
+    add.target = torch.ops.aten.sub.Tensor
+    body.recompile()
+    assert gm.code == code and cache_key(graph, ExportBackend()) != before

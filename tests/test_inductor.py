@@ -18,11 +18,13 @@ from typer.testing import CliRunner
 from aotc.backends import inductor
 from aotc.backends.inductor import PORTABLE_FLAGS, InductorBackend, compiled_isa, cpu_target
 from aotc.builder import BuildOptions, build, default_backend
+from aotc.builder.plan import make_plan
 from aotc.cli import app
 from aotc.errors import BundleError
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
+from aotc.trace import find_variants
 
 from .conftest import assert_check_report, assert_generation_matches_eager, cross_weights, record_contexts, rehash, swapped_copy
 
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.skipif(InductorBackend().can_compile() is not None, rea
 
 # Decode at 1 row and at 8, the most that rewrite_skinny_linears rewrites (2 to 7 rows pad to 8).
 OPTIONS = dict(batch_buckets=(1, 8), chunk_buckets=(16,), max_seq=96, backend="inductor")
+STEP = "LlamaForCausalLM.decode_step"
 # CI's bundle has one context bucket (each decode graph reads all 96 positions): the graphs of
 # a second bucket are the same code at another length, and the step across buckets is the
 # dispatcher's, which CI checks on export (test_bound.py, test_kvcache.py).
@@ -108,13 +111,49 @@ def test_parallel_build_is_identical_to_serial(inductor_bundles, tiny_dir, tmp_p
 
 def test_skinny_linears_rewritten_in_cpu_decode(inductor_bundles):
     """The inductor-cpu pipeline ran rewrite_skinny_linears and rewrite_skinny_matmuls: decode's
-    matmuls of 1 to 8 rows (attention: 2 query heads per KV head), not prefill's 16."""
+    matmuls of 1 to 8 rows (attention: 2 query heads per KV head), not prefill's 16. In the
+    whole step they are in the loop's body, where the passes run too (without them the 100m
+    model's step took 1.44x as long at batch 8)."""
     changes = {(e.id, a.bucket, a.context): {p.name: p.changes for p in a.passes} for e, a in inductor_bundles[0].manifest.artifacts()}
     for bucket in (1, 8):
-        assert changes[("LlamaDecoderLayer.decode", bucket, 96)]["rewrite_skinny_linears"] == 7  # q, k, v, o, gate, up, down
-        assert changes[("LlamaDecoderLayer.decode", bucket, 96)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
+        assert changes[(STEP, bucket, 96)]["rewrite_skinny_linears"] == 8  # q, k, v, o, gate, up, down in the loop; the head
+        assert changes[(STEP, bucket, 96)]["rewrite_skinny_matmuls"] == 2  # q @ k^T, p @ v
     assert changes[("LlamaDecoderLayer.prefill", 16, 96)]["rewrite_skinny_linears"] == 0
     assert changes[("LlamaDecoderLayer.prefill", 16, 96)]["rewrite_skinny_matmuls"] == 0  # 16 query rows per head
+
+
+def test_decode_is_one_whole_step_graph_whatever_the_layer_count(inductor_bundles, tiny_dir, tmp_path):
+    """Decode is LlamaForCausalLM.decode_step: every layer in one graph (a loop over the layers'
+    weights, stacked), in place of a graph per layer; the same artifacts at 3 layers as at 2.
+    Where no whole step is built (fp8 caches, a backend without loops), decode stays a graph per layer."""
+    m = inductor_bundles[0].manifest
+    ids = [e.id for e in m.entries]
+    assert STEP in ids and "LlamaDecoderLayer.decode" not in ids
+    step = m.entry(STEP)
+    q = next(w for w in step.weights if w.path == "model.layers.*.self_attn.q_proj.weight")
+    assert (step.instances, q.shape, q.transform, q.sources) == ([""], [2, 256, 256], "stack", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"])
+    for art in step.artifacts:
+        assert [i.shape for i in art.inputs if i.kind == "cache"] == [[2, 9, 2, 96, 64]] * 2  # every layer's allocation, written in place
+        assert {p.name: p.changes for p in art.passes}["drop_loop_asserts"] > 0
+    three = make_plan(BuildOptions(write_tiny(tmp_path / "three", layers=3), out=tmp_path / "b3", **OPTIONS))
+    assert sorted((v.entry_id, b, v.context) for v, b in three.tasks) == sorted((e.id, a.bucket, a.context) for e, a in m.artifacts())
+    fp8 = make_plan(BuildOptions(tiny_dir, out=tmp_path / "fp8", kv_cache_dtype="fp8", **OPTIONS))
+    no_loops = find_variants(three.loaded.model, three.shapes, loops=False)
+    for variants in (fp8.variants, no_loops):
+        assert "LlamaDecoderLayer.decode" in {v.entry_id for v in variants} and STEP not in {v.entry_id for v in variants}
+
+
+def test_bind_stacks_each_layer_weight_once_and_decode_returns_its_argmax(inductor_bundles, tiny_dir):
+    model = load_model(tiny_dir).model
+    want = [layer.mlp.up_proj.weight.detach().clone() for layer in model.model.layers]
+    bundle = Bundle.load(inductor_bundles[0].out)
+    bundle.bind(model)
+    # The stack is the one copy: each layer's weight is a view of it, read by the prefill graphs and eager code alike.
+    assert len({layer.mlp.up_proj.weight.untyped_storage().data_ptr() for layer in model.model.layers}) == 1
+    assert all(torch.equal(layer.mlp.up_proj.weight, w) for layer, w in zip(model.model.layers, want))
+    caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    logits, argmax = model.decode_tokens(torch.tensor([5, 6, 7]), torch.tensor([0, 0, 0]), caches)
+    assert logits.shape == (3, 512) and argmax.tolist() == logits.argmax(-1).tolist()
 
 
 def test_packages_hold_no_weights(inductor_bundles):
@@ -192,21 +231,27 @@ def test_cache_with_other_strides_is_an_error(inductor_bundles, tiny_dir):
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(inductor_bundles[0].out)
     bundle.bind(loaded.model)
-    model, layer = loaded.model, loaded.model.model.layers[0]
+    model = loaded.model
     caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
     positions = torch.tensor([4])
-    cos, sin = model.rope(positions)
-    wide = torch.zeros(bundle.cache_slots, 2, bundle.max_seq, 2 * 64)[..., :64]  # a non-contiguous slice, right shape
-    with pytest.raises(BundleError, match=r"cache 'k_cache' has shape \[9, 2, 96, 64\] strides \[24576, 12288, 128, 1\]"):
-        layer.decode(torch.zeros(1, 256), cos, sin, positions, positions, wide, caches["v"][0])
+    wide = torch.zeros(2, bundle.cache_slots, 2, bundle.max_seq, 2 * 64)[..., :64]  # every layer's, a non-contiguous slice, right shape
+    with pytest.raises(BundleError, match=r"cache 'k_cache' has shape \[2, 9, 2, 96, 64\] strides \[221184, 24576, 12288, 128, 1\]"):
+        model.decode_step(positions, positions, positions, wide, caches["v"])
 
 
 def test_weight_with_other_strides_is_an_error(inductor_bundles, tiny_dir):
     loaded = load_model(tiny_dir)
-    up = loaded.model.model.layers[1].mlp.up_proj
-    up.weight = torch.nn.Parameter(up.weight.detach().t().contiguous().t())  # same shape and values, column-major
-    with pytest.raises(BundleError, match=r"weight model.layers.1.mlp.up_proj.weight has strides \[1, 688\]"):
+    head = loaded.model.head.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())  # same shape and values, column-major
+    with pytest.raises(BundleError, match=r"weight head.lm_head.weight has strides \[1, 512\]"):
         Bundle.load(inductor_bundles[0].out).bind(loaded.model)
+    # A layer's weights are stacked at bind (contiguous whatever they were): the same values, and they run.
+    loaded = load_model(tiny_dir)
+    up = loaded.model.model.layers[1].mlp.up_proj
+    want = up.weight.detach().clone()
+    up.weight = torch.nn.Parameter(up.weight.detach().t().contiguous().t())
+    Bundle.load(inductor_bundles[0].out).bind(loaded.model)
+    assert up.weight.is_contiguous() and torch.equal(up.weight, want)
 
 
 def test_bundle_runs_with_new_weights(inductor_bundles, tiny_dir, tmp_path):
@@ -272,8 +317,8 @@ def test_bundle_runs_and_checks_without_a_compiler_importing_only_what_running_n
 def test_swapped_packages_are_refused_at_load(inductor_bundles, tiny_dir, tmp_path):
     """A package records the inputs it was compiled for: two packages swapped (their
     sha256 fixed in the manifest) are refused before anything runs."""
-    bundle = swapped_copy(inductor_bundles[0].out, tmp_path / "swapped", other=8)
-    with pytest.raises(BundleError, match=r"is not LlamaDecoderLayer.decode bucket 1 context 96 as the manifest says \(input \d+ is \(\[8,"):
+    bundle = swapped_copy(inductor_bundles[0].out, tmp_path / "swapped", other=8, entry="LlamaForCausalLM.decode_step")
+    with pytest.raises(BundleError, match=r"is not LlamaForCausalLM.decode_step bucket 1 context 96 as the manifest says \(input \d+ is \(\[8"):
         Bundle.load(bundle)
 
 

@@ -83,7 +83,7 @@ class FakeBackend:
 
 def graph(code="x + 1", pad=0, stride=(4, 1), out_dtype="float32", weight="w.weight"):
     return SimpleNamespace(
-        graph_module=SimpleNamespace(code=code),
+        graph_module=SimpleNamespace(code=code, named_modules=lambda: []),  # no loop: no graph of its own inside
         inputs=[
             SimpleNamespace(kind="weight", shape=[4, 4], dtype="float32", stride=[4, 1], pad=0, path=weight),
             SimpleNamespace(kind="activation", shape=[2, 4], dtype="float32", stride=list(stride), pad=pad, path=None),

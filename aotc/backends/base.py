@@ -276,6 +276,10 @@ class Backend(abc.ABC):
     # runtime has no device-to-device copy): the build compiles one per allocation kind
     # (builder.copies) into the bundle, and bind gives them to the device (Device.copy_with).
     slot_copies: ClassVar[bool] = False
+    # Its programs run a torch.while_loop whose body indexes its inputs by the loop counter
+    # (a data-dependent offset): a model's whole decode step is one graph
+    # (CausalLM.whole_step_replaces), not a graph per layer.
+    loops: bool = False
 
     @classmethod
     def from_options(cls, device: str, flags: dict) -> "Backend":

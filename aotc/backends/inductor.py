@@ -181,6 +181,9 @@ class InductorBackend(Backend):
         # On the CPU a loaded package is its shared library, mapped: its files may go. CUDA
         # kernels are loaded from their files at a graph's first call.
         self.reads_files_loaded = device == "cuda"
+        # The whole step's loop is measured on the CPU (bench/whole_step.py); on CUDA each
+        # iteration's .item() would wait for the GPU, untried here: a graph per layer there.
+        self.loops = device == "cpu"
         self.config = dict(sorted((config or {}).items()))  # Inductor configs, e.g. {"cpp.simdlen": 256}
         if self.config:
             import torch._inductor.config as inductor_config

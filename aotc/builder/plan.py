@@ -72,7 +72,7 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
         _, _, backend = resolve(options)
     loaded = load_model(options.model_dir, weights=False, kv_cache=options.kv_cache(backend), modeling=options.modeling, layout=options.layout)
     shapes = Shapes.of(loaded.model, max(options.batch_buckets) + 1, options.max_seq, options.device)
-    variants = find_variants(loaded.model, shapes)
+    variants = find_variants(loaded.model, shapes, loops=backend.loops)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
     chunk_contexts = _chunk_contexts(options, loaded.model)

@@ -37,6 +37,8 @@ def cache_key(graph: "TracedGraph", backend: "Backend", version: str | None = No
     payload = {
         "format": FORMAT_VERSION,
         "graph": graph.graph_module.code,
+        # A while_loop's condition and body are graphs of their own, which the code above only names.
+        "subgraphs": {name: sub.code for name, sub in graph.graph_module.named_modules() if name and isinstance(sub, torch.fx.GraphModule)},
         # A weight input's path (inside the instance, never a file's) is in the artifact (it
         # records which tensor each weight input is), so graphs that differ only there differ.
         "inputs": [(i.kind, i.shape, i.dtype, i.stride, i.pad, i.path) for i in graph.inputs],

@@ -172,8 +172,10 @@ def run(
         if done.check is not None:
             from ..layout import compiled_forms
 
-            # Where a module compiles another algorithm than its eager code, the check compares the two.
-            report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(session.model)]
+            # Where a module compiles another algorithm than its eager code, the check compares the
+            # two: the modules that the bundle's entries run (a whole step's, or a layer's).
+            instances = (session.model.get_submodule(p) for e in session.bundle.manifest.entries for p in e.instances)
+            report["check"]["algorithms"] = [dataclasses.asdict(f) for f in compiled_forms(*instances)]
         report.update(generation=generation, notes=notes + after)
     except AotcError as e:
         _fail(e)

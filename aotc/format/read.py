@@ -261,8 +261,11 @@ def _check_entries(m: Manifest, bad) -> None:
                     if not spec.shape or spec.shape[0] != art.bucket:
                         bad(f"{part}.shape", f"{spec.shape}: dim 0 of an activation or output is the bucket, {art.bucket}")
                 elif spec.kind == "cache":
-                    if not spec.shape or spec.shape[0] != s.cache_slots:
-                        bad(f"{part}.shape", f"{spec.shape}: dim 0 of a cache is cache_slots, {s.cache_slots}")
+                    # The model's own entry (a whole step) takes every layer's allocation: slots are dim 1.
+                    slots_dim = 1 if entry.instances == [""] else 0
+                    if len(spec.shape) <= slots_dim or spec.shape[slots_dim] != s.cache_slots:
+                        what = "dim 1 of the model's own entry's cache (every layer's)" if slots_dim else "dim 0 of a cache"
+                        bad(f"{part}.shape", f"{spec.shape}: {what} is cache_slots, {s.cache_slots}")
                 else:
                     bad(f"{part}.kind", f"{spec.kind!r}: an artifact's inputs are caches and activations (weights are the entry's)")
                 if spec.region is not None:

@@ -186,9 +186,26 @@ class CausalLM(nn.Module):
         """ids, positions: [B], row i is the sequence in slot i -> logits [B, vocab] float32."""
         raise NotImplementedError
 
+    def decode_tokens(self, ids: torch.Tensor, positions: torch.Tensor, caches: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """decode's logits, and their argmax [B] where the model computes it with them (a
+        whole step's graph: the engine then reads B tokens, not B x vocab logits), else None."""
+        return self.decode(ids, positions, caches), None
+
     def prompt_logits(self, ids: torch.Tensor, max_seq: int | None = None) -> torch.Tensor:
         """ids: [n] -> logits at every position, [n, vocab] float32, eager (for checks)."""
         raise NotImplementedError
+
+    # -- whole steps -----------------------------------------------------------
+    def whole_step_replaces(self) -> dict[str, set[tuple[type, str]]]:
+        """The model's own entry methods that run a whole step (decode's every layer in one
+        graph), each with the (class, method) entries it runs in place of. A build makes
+        one side of each: the whole step where whole_step_refusal() and the backend allow
+        it (Backend.loops), else the entries it replaces; bind takes either."""
+        return {}
+
+    def whole_step_refusal(self) -> str | None:
+        """Why this configuration builds no whole step (None: it can)."""
+        return None
 
     # -- aotc init tiny --------------------------------------------------------
     @classmethod

@@ -27,6 +27,7 @@ from torch import nn
 from ..entry import entry
 from ..format import ShardSpec
 from ..kvcache import Fp8Rows, layer_views, load, row_spec, store
+from ..layout import Derived
 from ..parallel import FIRST, all_gather, all_reduce, group_name, split
 from .base import SCRATCH_SLOT, CausalLM
 from .llama_config import LlamaConfig, local_kv_heads, rope_inv_freq
@@ -55,10 +56,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Inline, not rms_norm(): a compiler failure's source line (aotc bisect) is this one.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward with its weight as a tensor (a whole step's loop body)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -214,6 +224,57 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, w) for w in config.layer_windows)
 
+    def derived_weights(self) -> dict[str, Derived]:
+        """Each decoder-layer weight, stacked over the layers [layers, ...]: the whole decode
+        step's loop (compiled_forward) reads layer i's at index i."""
+        names = [n for n, _ in self.layers[0].named_parameters()]
+        return {f"layers.*.{n}": Derived("stack", tuple(f"layers.{i}.{n}" for i in range(len(self.layers)))) for n in names}
+
+    def forward(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        """Each decoder layer's decode in turn, on its layer of the caches [layers, ...]."""
+        for layer, k, v in zip(self.layers, layer_views(k_cache), layer_views(v_cache)):
+            x = layer.decode(x, cos, sin, positions, slots, k, v)
+        return x
+
+    def compiled_forward(self, x, cos, sin, positions, slots, k_cache, v_cache, derived):
+        """One torch.while_loop over the layers' stacked weights, writing layer i's keys and
+        values into the whole caches at index i (writes through a layer's view of them would
+        copy it each iteration: bench/stacked_layers.py): a graph whose size and build time do
+        not grow with the layers."""
+        # Plain values only in the loop's body: torch compiles it alone, as a function of its locals.
+        first, n, b = self.layers[0], len(self.layers), x.shape[0]
+        a, eps = first.self_attn, first.input_layernorm.eps
+        heads, kv_heads, hd, scale = a.heads, a.kv_heads, a.head_dim, a.scale
+        mask = visible(positions, k_cache.shape[3], a.window)[:, None, None, :]  # [B, 1, 1, S]
+        stacked = {name.removeprefix("layers.*."): t for name, t in derived.items()}
+
+        def more(i, x):
+            return i < n
+
+        def body(i, x):
+            j = i.item()  # a view's offset: the layer's weights and caches are not copied
+            torch._check(j >= 0)
+            torch._check(j < n)
+            w = {name: t.select(0, j) for name, t in stacked.items()}
+
+            def linear(name, x):
+                return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+            h = rms_norm(x, w["input_layernorm.weight"], eps)
+            q = rotate(linear("self_attn.q_proj", h).view(b, heads, hd), cos, sin)
+            k = rotate(linear("self_attn.k_proj", h).view(b, kv_heads, hd), cos, sin)
+            at = (i.expand(b), slots, slice(None), positions)  # k_cache[i, slots[r], :, positions[r]] = k[r]
+            store(None, k_cache, at, k)
+            store(None, v_cache, at, linear("self_attn.v_proj", h).view(b, kv_heads, hd))
+            keys, values = k_cache.select(0, j)[:b], v_cache.select(0, j)[:b]
+            out = softmax_attend(q.view(b, kv_heads, heads // kv_heads, hd), keys, values, mask, scale)
+            h = x + linear("self_attn.o_proj", out.reshape(b, heads * hd))
+            m = rms_norm(h, w["post_attention_layernorm.weight"], eps)
+            return i + 1, h + linear("mlp.down_proj", F.silu(linear("mlp.gate_proj", m)) * linear("mlp.up_proj", m))
+
+        with torch.no_grad():  # torch 2.13 refuses a loop that writes its inputs with grad enabled
+            return torch.while_loop(more, body, (torch.zeros((), dtype=torch.long, device=x.device), x))[1]
+
 
 @register_architecture(model_types=("llama",), architectures=("LlamaForCausalLM",))
 class LlamaForCausalLM(CausalLM):
@@ -233,6 +294,15 @@ class LlamaForCausalLM(CausalLM):
         # step, made on first use (outside any meta or fake tensor context the model
         # was built in) and grown when a position passes their end.
         self.rope_tables = None
+        # What a whole step computes its RoPE rows from, in its graph (decode_step). Built on
+        # the meta device, it is made by init_buffers once the loader makes it real (meta
+        # arithmetic would import torch's compiler, which a deployed bundle never needs).
+        inv_freq = torch.empty(config.head_dim // 2, dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq if inv_freq.is_meta else rope_inv_freq(config), persistent=False)
+
+    def init_buffers(self) -> None:
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inv_freq(self.config))
 
     _NAMES = {"head.norm.weight": "model.norm.weight", "head.lm_head.weight": "lm_head.weight"}
 
@@ -325,8 +395,43 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.no_grad()
     def decode(self, ids, positions, caches):
-        x = self.run_layers("decode", self.model.embed_tokens(ids), positions, self.batch_slots(ids.shape[0], ids.device), caches)
-        return self.head(x)
+        return self.decode_tokens(ids, positions, caches)[0]
+
+    def decode_tokens(self, ids, positions, caches):
+        slots = self.batch_slots(ids.shape[0], ids.device)
+        if "decode_step" in vars(self):  # bound (Bundle.bind sets the instance's own attribute): one call, no autograd
+            return self.decode_step(ids, positions, slots, caches["k"], caches["v"])
+        with torch.no_grad():
+            return self.head(self.run_layers("decode", self.model.embed_tokens(ids), positions, slots, caches)), None
+
+    @entry(bucket="batch", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, context="positions")
+    def decode_step(self, ids, positions, slots, k_cache, v_cache):
+        """A whole decode step, ids [B] -> logits [B, vocab] float32 and their argmax [B]:
+        the RoPE rows, the embedding, every layer (LlamaModel: a loop over the stacked
+        layers when compiled) and the head, in one graph, in place of a graph per layer
+        (whole_step_replaces)."""
+        x = self.model.embed_tokens(ids)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # rope()'s tables' rows, computed as they are
+        emb = torch.cat((freqs, freqs), dim=-1)
+        logits = self.head(self.model(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype), positions, slots, k_cache, v_cache))
+        return logits, logits.argmax(dim=-1)
+
+    def whole_step_replaces(self) -> dict[str, set[tuple[type, str]]]:
+        return {"decode_step": {(LlamaDecoderLayer, "decode")}}
+
+    def whole_step_refusal(self) -> str | None:
+        c = self.config
+        if c.parallel.world_size > 1:
+            return "tensor parallel: each layer's graph holds its collectives"
+        if c.kv_cache.dtype != "auto":
+            return f"{c.kv_cache.dtype} caches: their packed rows are written per layer"
+        if len(set(c.layer_windows)) > 1:
+            return "layers of different attention windows: a graph per kind of layer"
+        return None
+
+    def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:
+        positions = torch.zeros(rows, dtype=torch.long)
+        return (positions.clone(), positions, positions.clone(), shapes.cache("k", 3, layers=True), shapes.cache("v", 3, layers=True))
 
     @classmethod
     def tiny_config(cls, *, layers, vocab_size, variant):

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..format import PassIdentity, PassRecord
-from .base import Pass, ProgramPass
+from .base import Pass, ProgramPass, loop_bodies
+from .drop_loop_asserts import DropLoopAsserts
 from .reslice_cache_views import ResliceCacheViews
 from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
@@ -23,6 +24,9 @@ PIPELINE: list[Pass] = [
     # The passes after it, and every backend, may assume that each cache write
     # is one index_put_ on a graph input.
     ResliceCacheViews(),
+    # Last: what is compiled and what is serialized (to a compile worker, or an export
+    # artifact) must be the same graph, and torch cannot read back a loop body's asserts.
+    DropLoopAsserts(),
 ]
 
 # Before the common pipeline, for backends whose compilers need every size static
@@ -69,7 +73,8 @@ def run_pipeline(program: torch.export.ExportedProgram, passes: list[Pass] | Non
             inputs = [(at, tag) for i, (at, old) in enumerate(inputs) for tag in result.replaced.get(i, [old])]
         else:
             before = _placeholders(program)
-            changes = p(program.graph_module).changes
+            # A loop's body (a whole step's layers) is a graph of its own: the pass runs there too.
+            changes = sum(p(gm).changes for gm in (program.graph_module, *loop_bodies(program.graph_module)))
             if _placeholders(program) != before:  # the program's signature would no longer be its graph's
                 raise RuntimeError(f"pass {p.name} changed the graph's inputs; a pass that does is a ProgramPass")
             _rename_outputs(program)

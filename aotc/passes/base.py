@@ -34,6 +34,12 @@ class ProgramResult:
     replaced: dict[int, list]
 
 
+def loop_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of the graph's while_loops: graphs of their own, which passes run in too."""
+    loops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.while_loop]
+    return [getattr(gm, n.args[1].target) for n in loops]
+
+
 class Pass:
     name: str = ""
 

@@ -218,7 +218,11 @@ class Bundle:
         # Every entry the model has must run compiled: nothing falls back to eager unseen. A bound
         # entry is the instance's own attribute (the Dispatcher set above, over the class's
         # method), so the instance's __dict__ is where Python keeps it, not a side channel.
-        unbound = [f"{path or type(m).__name__}.{method}" for path, m in model.named_modules() for method in entries_of(type(m)) if not isinstance(vars(m).get(method), Dispatcher)]
+        bound = {(type(m), method) for m in model.modules() for method, d in vars(m).items() if isinstance(d, Dispatcher)}
+        # A whole step and the entries it replaces are two sides of one choice: the build made one.
+        for method, replaced in getattr(model, "whole_step_replaces", dict)().items():
+            bound |= replaced if (type(model), method) in bound else {(type(model), method)}
+        unbound = [f"{path or type(m).__name__}.{method}" for path, m in model.named_modules() for method in entries_of(type(m)) if (type(m), method) not in bound]
         if unbound:
             Bundle.unbind(model)
             raise BundleError(
@@ -360,12 +364,12 @@ def _weight(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path, shar
         t = _tensor(instance, path, spec.path, bundle)
     if list(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
         raise BundleError(
-            f"weight {path}.{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for {spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
+            f"weight {path + '.' if path else ''}{spec.path} is {list(t.shape)} {t.dtype}, but bundle {bundle} was built for {spec.shape} {spec.dtype}; rebuild the bundle for these weights' shapes"
         )
     if list(t.stride()) != spec.stride:
         # Compiled code indexes weights with the traced strides: other strides would run silently wrong.
         raise BundleError(
-            f"weight {path}.{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for {spec.stride}; make it contiguous (tensor.contiguous()) before binding"
+            f"weight {path + '.' if path else ''}{spec.path} has strides {list(t.stride())}, but bundle {bundle} was built for {spec.stride}; make it contiguous (tensor.contiguous()) before binding"
         )
     # One detached tensor per model tensor (a tied one included), whichever entries and
     # instances take it: a device places each once.
@@ -419,9 +423,13 @@ def _derive(instance: nn.Module, path: str, spec: WeightSpec, bundle: Path) -> t
     at views of the result: eager code reads the same values and memory is not doubled."""
     transform = TRANSFORMS[spec.transform]
     sources = [_tensor(instance, path, s, bundle) for s in spec.sources]
-    shapes = {(tuple(s.shape), s.dtype) for s in sources}
-    if len(shapes) > 1:
-        raise BundleError(f"weight {path}.{spec.path}: its sources {path}.{spec.sources[0]}... differ in shape or dtype; rebuild the bundle for these weights")
+    full = lambda name: f"{path}.{name}" if path else name  # noqa: E731  (the model's own entry: path "")
+    for name, s in zip(spec.sources, sources):
+        if (s.shape, s.dtype) != (sources[0].shape, sources[0].dtype):
+            raise BundleError(
+                f"weight {full(name)} is {list(s.shape)} {s.dtype}, but {full(spec.sources[0])} is {list(sources[0].shape)} {sources[0].dtype}; "
+                f"the weights stacked into {full(spec.path)} must agree. Rebuild the bundle for these weights"
+            )
     with torch.no_grad():
         out = transform.apply([s.detach() for s in sources])
         for source, view in zip(sources, transform.views(out)):

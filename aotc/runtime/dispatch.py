@@ -282,8 +282,8 @@ class Dispatcher:
             # A cache with other strides than at export would run silently wrong in compiled code.
             raise BundleError(
                 f"{self.entry_id}: cache {self.names[arg]!r} has shape {list(cache.shape)} strides {list(cache.stride())}, "
-                f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the layer's "
-                "contiguous slice of the cache allocated for this bundle"
+                f"the graph was built for shape {list(shape)} strides {list(stride)}; pass the cache allocated for this "
+                "bundle (model.allocate_caches), or to a layer's entry the layer's contiguous slice of it"
             )
         view = cache.as_strided(shape, stride)
         cache._aotc_first = {**(views or {}), shape: view}  # the memo above

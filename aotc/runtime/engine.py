@@ -296,8 +296,11 @@ class Engine:
             positions = [owner[s].position if s in owner else filling[s] if s in filling else self._dead_position(s, reach) for s in range(b)]
             positions = torch.tensor(positions, device=self.device)
         t0 = time.perf_counter()
-        logits = self.model.decode(ids, positions, self.caches)  # [B, vocab]
-        chosen = self._take(rows, logits if b == len(rows) else logits[[r.slot for r in rows]])
+        logits, argmax = self.model.decode_tokens(ids, positions, self.caches)  # [B, vocab], [B] or None
+        if b != len(rows):
+            live = [r.slot for r in rows]
+            logits, argmax = logits[live], None if argmax is None else argmax[live]
+        chosen = self._take(rows, logits, argmax)
         # Lists cost half of a step's host work (tens of microseconds): while the same rows
         # decode on, the next step takes these tensors.
         self._carry = (chosen, positions) if chosen is not None and b == len(rows) else None
@@ -423,7 +426,8 @@ class Engine:
 
     def _take(self, rows: list[Request], logits: torch.Tensor | None, argmax: torch.Tensor | None = None) -> torch.Tensor | None:
         """Each row's next token from its row of logits [rows, vocab] (or, where every row
-        takes the argmax and keeps no logits, from `argmax`, [rows]); ends the rows that are
+        takes the argmax and keeps no logits, from `argmax`, [rows]; given both, a greedy
+        row's token is argmax's, the logits' argmax a graph computed); ends the rows that are
         done. Returns the tokens as a tensor where that is the argmax's own (every row greedy)."""
         argmax = greedy(logits) if argmax is None else argmax
         tokens = argmax.tolist()

@@ -39,17 +39,19 @@ class AllocationCounter(TorchDispatchMode):
 
 def host_split(decodes: list[tuple[float, float]], graphs: list[tuple[float, float]]) -> dict[str, float]:
     """Where a decode step's time goes, on average over the steps, in seconds: from each
-    `model.decode` call's (start, end) and its graphs' (start, end), every call making
-    as many graph calls (its layers, then the head). Outside the model: the engine's
-    bookkeeping between one call's end and the next one's start (sampling, tokens, stops).
-    Inside it: before the first graph (the embedding and RoPE rows, the first layer's
-    dispatch), between graphs (a layer's dispatch), after the last."""
+    `model.decode_tokens` call's (start, end) and its graphs' (start, end), every call making
+    as many graph calls (`calls`: one, a whole step; or its layers, then the head). Outside
+    the model: the engine's bookkeeping between one call's end and the next one's start
+    (sampling, tokens, stops). Inside it: before the first graph (its dispatch; with a graph
+    per layer, the embedding and RoPE rows), between graphs (a layer's dispatch), after the
+    last."""
     calls, rest = divmod(len(graphs), len(decodes))
     if rest or not calls:
         raise RuntimeError(f"overhead: {len(graphs)} graph calls in {len(decodes)} decode calls: the timed graphs are not decode's alone")
     steps = [(d, graphs[i * calls : (i + 1) * calls]) for i, d in enumerate(decodes)]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
+        "calls": calls,
         "graphs": mean([sum(e - s for s, e in g) for _, g in steps]),
         "engine": mean([b[0] - a[1] for a, b in zip(decodes, decodes[1:])]),
         "before the first graph": mean([g[0][0] - d[0] for d, g in steps]),
@@ -59,10 +61,10 @@ def host_split(decodes: list[tuple[float, float]], graphs: list[tuple[float, flo
 
 
 def model_host_alone(out, model_dir, batch: int, min_time: float) -> float:
-    """Seconds of model.decode's own work a step (embedding, RoPE rows, each layer's and the
-    head's dispatch) in a loop of its own: every graph replaced by its first call's outputs
-    (Bundle.wrap_steps), so that the CPU's caches stay warm. In a step each graph streams its
-    weights through those caches first."""
+    """Seconds of model.decode_tokens's own work a step (each graph's dispatch; with a graph
+    per layer, the embedding and RoPE rows too) in a loop of its own: every graph replaced
+    by its first call's outputs (Bundle.wrap_steps), so that the CPU's caches stay warm. In
+    a step each graph streams its weights through those caches first."""
     bundle, model = Bundle.load(out), load_model(model_dir).model
     bundle.bind(model)
 
@@ -79,7 +81,7 @@ def model_host_alone(out, model_dir, batch: int, min_time: float) -> float:
     Bundle.wrap_steps(model, kept)
     caches = model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
     ids, positions = torch.arange(5, 5 + batch), torch.full((batch,), 10)
-    return timeit(lambda: model.decode(ids, positions, caches), min_time=min_time, best=True)
+    return timeit(lambda: model.decode_tokens(ids, positions, caches), min_time=min_time, best=True)
 
 
 @section("overhead")
@@ -114,11 +116,11 @@ def overhead(run: Run) -> dict:
 
                     return call
 
-                def decode_timed(ids, positions, caches, decode=model.decode):
+                def decode_timed(ids, positions, caches, decode=model.decode_tokens):
                     t0 = time.perf_counter()
-                    logits = decode(ids, positions, caches)
+                    out = decode(ids, positions, caches)
                     decodes.append((t0, time.perf_counter()))
-                    return logits
+                    return out
 
                 def uncounted(fn, key):
                     def call(args, call=0):
@@ -129,7 +131,7 @@ def overhead(run: Run) -> dict:
 
                 Bundle.wrap_steps(model, timed if what == "graphs" else uncounted)
                 if what == "graphs":
-                    model.decode = decode_timed  # this instance's: the engine calls model.decode
+                    model.decode_tokens = decode_timed  # this instance's: the engine calls model.decode_tokens
 
                 def started(i, s):  # the first token comes from prefill: decode starts after it
                     decoding[0] = counter.on = True
@@ -146,14 +148,15 @@ def overhead(run: Run) -> dict:
                 figures[what] = min(samples, key=lambda s: s[0]) if what == "graphs" else min(samples)  # the quietest run: noise only adds
             figures["step"], split = figures["graphs"]
             figures["graphs"] = split["graphs"]
-            in_step = split["before the first graph"] + layers * split["between graphs"] + split["after the last graph"]
+            in_step = split["before the first graph"] + (split["calls"] - 1) * split["between graphs"] + split["after the last graph"]
             alone = model_host_alone(out, model_dir, batch, 0.1 if run.quick else 1.0)
             share = (figures["step"] - figures["graphs"]) / figures["graphs"]
             rows.append({
-                "bundle": run.aotc, "layers": layers, "batch": batch, "step ms": figures["step"] * 1e3, "in graphs ms": figures["graphs"] * 1e3,
+                "bundle": run.aotc, "layers": layers, "batch": batch, "graph calls a step": split["calls"],
+                "step ms": figures["step"] * 1e3, "in graphs ms": figures["graphs"] * 1e3,
                 "host us per step": (figures["step"] - figures["graphs"]) * 1e6, "overhead / graphs": share,
                 **{f"host us: {part}": split[part] * 1e6 for part in ("engine", "before the first graph", "between graphs", "after the last graph")},
-                "model.decode host us in the step": in_step * 1e6, "alone, graphs stubbed": alone * 1e6, "in the step / alone": in_step / alone,
+                "model host us in the step": in_step * 1e6, "alone, graphs stubbed": alone * 1e6, "in the step / alone": in_step / alone,
                 "allocations per step": figures["allocations"], "target": OVERHEAD_TARGETS[batch] if layers == 2 else None,
                 "target met": layers != 2 or share <= OVERHEAD_TARGETS[batch],
             })  # fmt: skip
