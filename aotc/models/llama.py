@@ -237,10 +237,11 @@ class LlamaModel(nn.Module):
         return x
 
     def compiled_forward(self, x, cos, sin, positions, slots, k_cache, v_cache, derived):
-        """One torch.while_loop over the layers' stacked weights, writing layer i's keys and
-        values into the whole caches at index i (writes through a layer's view of them would
-        copy it each iteration: bench/stacked_layers.py): a graph whose size and build time do
-        not grow with the layers."""
+        """A torch.while_loop over the layers' stacked weights, an iteration a layer.
+
+        Iteration i writes its keys and values into the whole caches at index i (writes
+        through a layer's view of them would copy it each iteration: bench/stacked_layers.py):
+        a graph whose size and build time do not grow with the layers."""
         # Plain values only in the loop's body: torch compiles it alone, as a function of its locals.
         first, n, b = self.layers[0], len(self.layers), x.shape[0]
         a, eps = first.self_attn, first.input_layernorm.eps
@@ -422,7 +423,7 @@ class LlamaForCausalLM(CausalLM):
     def whole_step_refusal(self) -> str | None:
         c = self.config
         if c.parallel.world_size > 1:
-            return "tensor parallel: each layer's graph holds its collectives"
+            return "several ranks: each layer's graph holds its collectives"
         if c.kv_cache.dtype != "auto":
             return f"{c.kv_cache.dtype} caches: their packed rows are written per layer"
         if len(set(c.layer_windows)) > 1:
