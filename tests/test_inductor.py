@@ -191,16 +191,16 @@ def test_decode_crosses_a_context_bucket_token_exact(tiny_dir, tmp_path):
     bundle = Bundle.load(build(BuildOptions(tiny_dir, out=tmp_path / "b", **CONTEXTS)).out)
     manifest = bundle.manifest
     assert manifest.shapes.context == [32, 96]
-    (entry,) = [e for e in manifest.entries if e.method == "decode"]  # one entry, its artifacts per context bucket
-    assert entry.id == "LlamaDecoderLayer.decode" and entry.context_arg == "positions"
+    (entry,) = [e for e in manifest.entries if e.method == "decode_step"]  # one entry, its artifacts per context bucket
+    assert entry.id == STEP and entry.context_arg == "positions"
     assert sorted((a.context, a.bucket) for a in entry.artifacts) == [(32, 1), (32, 8), (96, 1), (96, 8)]
-    for art in entry.artifacts:
+    for art in entry.artifacts:  # every layer's caches, their first positions
         caches = [i for i in art.inputs if i.kind == "cache"]
-        assert [c.shape for c in caches] == [[9, 2, art.context, 64]] * 2 and [c.stride for c in caches] == [[12288, 6144, 64, 1]] * 2
+        assert [c.shape for c in caches] == [[2, 9, 2, art.context, 64]] * 2 and [c.stride for c in caches] == [[110592, 12288, 6144, 64, 1]] * 2
     prompt = torch.randint(3, 512, (27,), generator=torch.Generator().manual_seed(5)).tolist()
     kw = dict(max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
     bundle.bind(loaded.model)
-    used = record_contexts(loaded.model.model.layers[0].decode)
+    used = record_contexts(loaded.model.decode_step)
     compiled = generate(loaded.model, [prompt], 12, **kw)
     Bundle.unbind(loaded.model)
     eager = generate(loaded.model, [prompt], 12, **kw)

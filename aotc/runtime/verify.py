@@ -177,7 +177,9 @@ def verify(
         first, (out, after) = runs[0]
         truth_out, truth_after = (None, None) if reference is None else _reference_call(reference, instance_path, entry.method, call, rows)
         check.max_abs, check.max_rel = _compare(out, call.out, check, f"{first} output", truth_out)
-        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, rows, truth_after)
+        # The model's own entry (a whole step) takes every layer's caches: slots are dim 1.
+        slot_dim = 1 if instance_path == "" else 0
+        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, rows, truth_after, slot_dim)
         if runner is not None:
             check.reference = runner.label
             if len(runs) > 1:
@@ -378,17 +380,17 @@ def _values(t: torch.Tensor, rows: Fp8Rows | None) -> torch.Tensor:
     return t.float() if rows is None else rows.read(t, (...,), torch.float32)
 
 
-def _compare_caches(after, call: Call, names: dict[int, str], scratch: int, padded: bool, check: ArtifactCheck, what: str, rows: dict, truth=None) -> None:
+def _compare_caches(after, call: Call, names: dict[int, str], scratch: int, padded: bool, check: ArtifactCheck, what: str, rows: dict, truth=None, slot_dim: int = 0) -> None:
     touched = False  # did padding rows write the scratch slot of some cache
     for i, cache in names.items():
         written = call.written[i]
         moved = after[i] != call.before[i]
         in_scratch = torch.zeros_like(moved)
-        in_scratch[scratch] = True
+        in_scratch.select(slot_dim, scratch).fill_(True)
         stray = moved & ~written & ~in_scratch
         if stray.any():
             where = tuple(int(x) for x in stray.nonzero()[0])
-            check.problems.append(f"{what} wrote {cache} at {where} (slot {where[0]}), where eager wrote nothing: padding rows must write only the scratch slot {scratch}")
+            check.problems.append(f"{what} wrote {cache} at {where} (slot {where[slot_dim]}), where eager wrote nothing: padding rows must write only the scratch slot {scratch}")
         kind_rows = rows.get(call.kinds[i])
         # A packed cache is compared as the values its rows hold, each row written whole.
         at = written if kind_rows is None else written.any(dim=-1)
