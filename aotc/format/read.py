@@ -261,8 +261,7 @@ def _check_entries(m: Manifest, bad) -> None:
                     if not spec.shape or spec.shape[0] != art.bucket:
                         bad(f"{part}.shape", f"{spec.shape}: dim 0 of an activation or output is the bucket, {art.bucket}")
                 elif spec.kind == "cache":
-                    # The model's own entry (a whole step) takes every layer's allocation: slots are dim 1.
-                    slots_dim = 1 if entry.instances == [""] else 0
+                    slots_dim = entry.slot_dim
                     if len(spec.shape) <= slots_dim or spec.shape[slots_dim] != s.cache_slots:
                         what = "dim 1 of the model's own entry's cache (every layer's)" if slots_dim else "dim 0 of a cache"
                         bad(f"{part}.shape", f"{spec.shape}: {what} is cache_slots, {s.cache_slots}")

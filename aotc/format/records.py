@@ -213,6 +213,12 @@ class EntryRecord:
     weights: list[WeightSpec]
     artifacts: list[ArtifactRecord]
 
+    @property
+    def slot_dim(self) -> int:
+        """The dim of its cache inputs that is the slot: 0 for a layer's cache; 1 for the
+        model's own entry (a whole step), which takes every layer's allocation."""
+        return 1 if self.instances == [""] else 0
+
 
 @dataclass
 class GenerationRecord:

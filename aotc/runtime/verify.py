@@ -177,9 +177,7 @@ def verify(
         first, (out, after) = runs[0]
         truth_out, truth_after = (None, None) if reference is None else _reference_call(reference, instance_path, entry.method, call, rows)
         check.max_abs, check.max_rel = _compare(out, call.out, check, f"{first} output", truth_out)
-        # The model's own entry (a whole step) takes every layer's caches: slots are dim 1.
-        slot_dim = 1 if instance_path == "" else 0
-        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, rows, truth_after, slot_dim)
+        _compare_caches(after, call, names, manifest.shapes.cache_slots - 1, n < art.bucket, check, first, rows, truth_after, entry.slot_dim)
         if runner is not None:
             check.reference = runner.label
             if len(runs) > 1:
