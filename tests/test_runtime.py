@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
@@ -245,6 +246,61 @@ def test_a_position_beyond_max_seq_is_an_error(context_bundle, tiny_dir):
     caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq)
     with pytest.raises(BundleError, match=r"LlamaDecoderLayer.decode: position 256 is beyond the cache \(max_seq 256\)"):
         loaded.model.decode(torch.tensor([5]), torch.tensor([256]), caches)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts each aten op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_steps_find_their_context_bucket_without_reading_positions(context_bundle, tiny_dir):
+    """The engine made each step's positions from Python ints and says their largest
+    (known_top): no step reduces the positions tensor to find its context bucket (a
+    reduction and a read each step, a sixth of a tiny model's host work)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    loaded, bundle = load_model(tiny_dir), Bundle.load(context_bundle)
+    bundle.bind(loaded.model)
+    for m in loaded.model.modules():
+        for d in vars(m).values():
+            if isinstance(d, Dispatcher):
+                wrap_steps(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
+    used = record_contexts(loaded.model.model.layers[1].decode)
+    counts = []
+    for new in (1, 2, 10):  # the first a warm-up (the RoPE tables are made once); then 1 and 9 decode steps
+        ops = _Ops()
+        with ops:
+            generate(loaded.model, prompts(60, 3), new, max_batch=2, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False, chunk=128)
+        counts.append(ops.count[torch.ops.aten.max.default])
+    assert counts[2] == counts[1], counts  # 8 more steps, from positions 60 (context 64) past 64 (256), no more reductions
+    assert used[-9:] == [64] * 4 + [256] * 5  # the context each step's top asks for
+
+
+def test_a_wrong_known_top_is_refused_by_the_graph(context_bundle, tiny_dir):
+    """A caller's word too small for its positions picks a context that misses a row's
+    position: the graph's write refuses it (eager's index check here; Inductor's kernels
+    check each indirect index), nothing is written past the context's view."""
+    from aotc.runtime.dispatch import known_top, step_memos
+
+    loaded, bundle = load_model(tiny_dir), Bundle.load(context_bundle)
+    bundle.bind(loaded.model)
+    caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    positions = torch.tensor([100])
+    used = record_contexts(loaded.model.model.layers[1].decode)
+    known_top(step_memos(loaded.model), positions, 10)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        loaded.model.decode(torch.tensor([5]), positions, caches)
+    assert not caches["k"][:, :, :, 64:].any() and not caches["v"][:, :, :, 64:].any()
+    known_top(step_memos(loaded.model), positions, 100)
+    loaded.model.decode(torch.tensor([5]), positions, caches)
+    assert used == [256]  # the first call failed in layer 0, before layer 1's
 
 
 class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):

@@ -160,13 +160,14 @@ class CausalLM(nn.Module):
     def batch_slots(self, n: int, device: torch.device | str) -> torch.Tensor:
         """[n]: the cache slots 0..n-1 of a decode batch, made once per size and device
         (every step passes them; compiled graphs never write an activation)."""
-        key = (n, str(device))
-        if key not in self.batch_slot_tensors:
-            self.batch_slot_tensors[key] = torch.arange(n, device=device)
-        return self.batch_slot_tensors[key]
+        key = (n, device)  # not str(device): a step's host work is tens of microseconds
+        found = self.batch_slot_tensors.get(key)
+        if found is None:
+            found = self.batch_slot_tensors[key] = torch.arange(n, device=device)
+        return found
 
     @functools.cached_property
-    def batch_slot_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
+    def batch_slot_tensors(self) -> dict[tuple[int, torch.device | str], torch.Tensor]:
         """batch_slots' tensors, by size and device."""
         return {}
 

@@ -26,7 +26,9 @@ tables, positions, slots) is padded once, the context bucket of a positions
 tensor is found once per bucket, and a padded call's output feeds the next call
 as the bucket-sized tensor it is (its padding rows are padding rows' results, which
 never reach real rows: rows are independent sequences, or tokens that come
-before them).
+before them). Where the engine made a step's positions from Python ints it says
+their largest (known_top), and the context bucket is found from that, not by
+reading the tensor.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class StepMemo:
         self.made: dict[tuple[int, object], tuple[torch.Tensor, int, object]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # the last padded call's
         self.reach = 0  # positions every call's context bucket holds at least (context_floor)
+        # A positions tensor and its largest value, as the engine that made it from Python
+        # ints knows it (known_top): its context bucket is found without reading the tensor.
+        self.top: tuple[torch.Tensor, int] | None = None
 
     def get(self, t: torch.Tensor, what):
         key = (id(t), what)
@@ -189,6 +194,15 @@ class Dispatcher:
         if self.context_at is None:
             return None
         positions, reach = args[self.context_at], self.memo.reach
+        top = self.memo.top
+        if top is not None and top[0] is positions:
+            # The caller's word, not a reduction and a read of the tensor each step. A word
+            # too small runs a context that misses rows' positions: the graph's index checks
+            # refuse the write (test_runtime::test_a_wrong_known_top_is_refused_by_the_graph).
+            need = max(top[1] + 1, reach)
+            for c in self.contexts[bucket]:
+                if c >= need:
+                    return c
         found = self.memo.get(positions, ("context", reach, bucket))
         if found is not None and bucket in self.steps.get(found, ()):  # another entry's choice: its own contexts
             return found
@@ -342,6 +356,14 @@ def context_floor(memos: list[StepMemo], reach: int) -> Iterator[None]:
     finally:
         for memo in memos:
             memo.reach = 0
+
+
+def known_top(memos: list[StepMemo], positions: torch.Tensor, top: int) -> None:
+    """Tell the entries of the bound model whose `memos` these are that `positions`' largest
+    value is `top` (the engine made it from Python ints): until another call says otherwise,
+    they find its context bucket from `top`, not by reading the tensor."""
+    for memo in memos:
+        memo.top = (positions, top)
 
 
 def largest_chunk(model: torch.nn.Module) -> int | None:

@@ -53,7 +53,7 @@ from ..errors import AotcError
 from ..kvcache import Regions, copy_positions
 from ..models.base import CausalLM
 from ..parallel import data_parallel, settled
-from .dispatch import context_floor, step_memos
+from .dispatch import context_floor, known_top, step_memos
 from .prefix import PrefixIndex
 from .sampling import Choice, Sampler, SamplingParams, greedy
 
@@ -127,16 +127,17 @@ class Engine:
         # Data-parallel ranks: this rank, and how many share out the requests.
         self.rank, self.ranks = (model.config.rank, layout.world_size) if data_parallel(layout) else (0, 1)
         self.capacity = self.max_batch * self.ranks  # requests holding a slot at once
-        self._memos = step_memos(model) if self.ranks > 1 else []  # found once, not per step
+        self._memos = step_memos(model)  # found once, not per step
         self.free = list(range(self.capacity))  # each rank's scratch slot (slots - 1) is never handed out
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []  # in the order they took their slots
         self.decoding: list[Request] = []
         self.stats = EngineStats()
         self._ids = itertools.count()
-        # The last decode's chosen tokens and positions, as tensors, while no request has
-        # joined or left the decoding rows since: the next decode's inputs without a list.
-        self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The last decode's chosen tokens and positions, as tensors, and the largest position,
+        # while no request has joined or left the decoding rows since: the next decode's
+        # inputs without a list.
+        self._carry: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # The ranks of a parallel service: agree(tokens) returns rank 0's tokens for the
         # step's rows (a broadcast), so that every rank's requests go on alike.
         self.agree: Callable[[list[int]], list[int]] | None = None
@@ -284,18 +285,22 @@ class Engine:
         rows = self.decoding  # in slot order
         b = rows[-1].slot + 1
         if self._carry is not None:
-            ids, positions = self._carry[0], self._carry[1] + 1
+            ids, positions, top = self._carry[0], self._carry[1] + 1, self._carry[2] + 1
         elif b == len(rows):
             ids = torch.tensor([r.new_ids[-1] for r in rows], device=self.device)
-            positions = torch.tensor([r.position for r in rows], device=self.device)
+            positions = [r.position for r in rows]
+            top = max(positions)
+            positions = torch.tensor(positions, device=self.device)
         else:
             owner = {r.slot: r for r in rows}
             filling = {r.slot: r.prefilled for r in self.prefilling}
             ids = torch.tensor([owner[s].new_ids[-1] if s in owner else 0 for s in range(b)], device=self.device)
             reach = max(r.position for r in rows)
             positions = [owner[s].position if s in owner else filling[s] if s in filling else self._dead_position(s, reach) for s in range(b)]
+            top = max(positions)
             positions = torch.tensor(positions, device=self.device)
         t0 = time.perf_counter()
+        known_top(self._memos, positions, top)  # its context bucket without reading it
         logits, argmax = self.model.decode_tokens(ids, positions, self.caches)  # [B, vocab], [B] or None
         if b != len(rows):
             live = [r.slot for r in rows]
@@ -303,7 +308,7 @@ class Engine:
         chosen = self._take(rows, logits, argmax)
         # Lists cost half of a step's host work (tens of microseconds): while the same rows
         # decode on, the next step takes these tensors.
-        self._carry = (chosen, positions) if chosen is not None and b == len(rows) else None
+        self._carry = (chosen, positions, top) if chosen is not None and b == len(rows) else None
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += 1
 
