@@ -36,6 +36,7 @@ def test_build_reports_graphs_and_table(built):
     model, bundle, output = built
     assert "traced 11 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket, and the chunk contexts 16 and 32
     assert "LlamaDecoderLayer.prefill" in output and "LMHead.forward" in output
+    assert "decode: a graph per layer, not one graph for the whole step (the backend builds no loops)" in output
     assert (bundle / "manifest.json").is_file()
     files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.pt2"))
     assert files == sorted(

@@ -24,7 +24,7 @@ from aotc.errors import BundleError
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
-from aotc.trace import find_variants
+from aotc.trace import find_variants, whole_step_refusal
 
 from .conftest import assert_check_report, assert_generation_matches_eager, cross_weights, record_contexts, rehash, swapped_copy
 
@@ -128,7 +128,7 @@ def test_decode_is_one_whole_step_graph_whatever_the_layer_count(inductor_bundle
     Where no whole step is built (fp8 caches, a backend without loops), decode stays a graph per layer."""
     m = inductor_bundles[0].manifest
     ids = [e.id for e in m.entries]
-    assert STEP in ids and "LlamaDecoderLayer.decode" not in ids
+    assert STEP in ids and "LlamaDecoderLayer.decode" not in ids and inductor_bundles[0].per_layer is None
     step = m.entry(STEP)
     q = next(w for w in step.weights if w.path == "model.layers.*.self_attn.q_proj.weight")
     assert (step.instances, q.shape, q.transform, q.sources) == ([""], [2, 256, 256], "stack", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"])
@@ -141,6 +141,7 @@ def test_decode_is_one_whole_step_graph_whatever_the_layer_count(inductor_bundle
     no_loops = find_variants(three.loaded.model, three.shapes, loops=False)
     for variants in (fp8.variants, no_loops):
         assert "LlamaDecoderLayer.decode" in {v.entry_id for v in variants} and STEP not in {v.entry_id for v in variants}
+    assert whole_step_refusal(fp8.loaded.model, loops=True) == "fp8 caches: their packed rows are written per layer"  # what aotc build says
 
 
 def test_bind_stacks_each_layer_weight_once_and_decode_returns_its_argmax(inductor_bundles, tiny_dir):

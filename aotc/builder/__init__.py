@@ -27,7 +27,7 @@ from ..cache.recipes import load_recipe, recipe_file, save_recipe
 from ..errors import AotcError, BundleError
 from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, crossed_weights, read_manifest, write_manifest
 from ..models.loader import load_model, memory_shortfall
-from ..trace import Variant
+from ..trace import Variant, whole_step_refusal
 from .assemble import assemble_manifest, model_record
 from .copies import copy_graphs, obtain_copies
 from .key import key_graphs
@@ -52,6 +52,7 @@ class BuildResult:
     jobs: int
     cache_dir: Path | None = None
     notes: list[str] = field(default_factory=list)  # warnings: the cache cannot be written, the caches would not fit here
+    per_layer: str | None = None  # the model has a whole step and the build made none: why (trace.whole_step_refusal)
 
     def count(self, source: str) -> int:
         return sum(a.source == source for a in self.artifacts)
@@ -100,6 +101,8 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
 
 def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, recipe: str | None, notes: list[str], progress: Progress, t0: float) -> BuildResult:
     p = make_plan(options, backend)
+    model = p.loaded.model
+    per_layer = whole_step_refusal(model, backend.loops) if hasattr(model, "whole_step_replaces") and model.whole_step_replaces() else None
     short = memory_shortfall(p.loaded.model, p.shapes.slots, p.shapes.max_seq)
     if short:  # bundles are often built for larger hosts: a warning here, an error at run
         notes.append(f"this bundle will not run on this machine: {short}")
@@ -121,7 +124,7 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
         built = obtain_artifacts(options, backend, keyed, None, cache, jobs, progress)
         obtain_copies(backend, copies, None, cache, options.remote_cache, progress)
         artifacts = [built[k.id] for k in keyed]
-        return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root)
+        return BuildResult(None, None, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root, per_layer=per_layer)
     with bundle_writer(options.out, bundle_locks(options)) as tmp:
         built = obtain_artifacts(options, backend, keyed, tmp, cache, jobs, progress)
         manifest = assemble_manifest(p, built)
@@ -133,7 +136,7 @@ def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, re
         except OSError as e:  # the bundle is whole; only the next build's shortcut is missing
             notes.append(f"the compile cache cannot be written ({e.filename or cache.root}: {e.strerror or e}); this build's recipe was not stored")
     artifacts = [built[k.id] for k in keyed]
-    return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None, notes)
+    return BuildResult(options.out, manifest, artifacts, len(tasks), p.variants, time.perf_counter() - t0, jobs, cache.root if cache else None, notes, per_layer)
 
 
 def build_keys(options: BuildOptions) -> list[tuple[str, int, int | None, str]]:

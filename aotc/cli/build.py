@@ -149,6 +149,8 @@ def build(
             attrs = ", ".join(f"{k}={val!r}" for k, val in v.attributes.items())
             paths = [p for p, _ in v.instances]
             console.print(f"variant {v.entry_id} ({escape(attrs)}): {len(paths)} modules, {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}", highlight=False)
+    if result.per_layer is not None:
+        console.print(f"decode: a graph per layer, not one graph for the whole step ({escape(result.per_layer)})", highlight=False)
     if result.graphs_traced:
         layers = len({(path, v.spec.method) for v in result.variants for path, _ in v.instances})  # context buckets: one instance
         console.print(
