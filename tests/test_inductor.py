@@ -157,6 +157,19 @@ def test_bind_stacks_each_layer_weight_once_and_decode_returns_its_argmax(induct
     assert logits.shape == (3, 512) and argmax.tolist() == logits.argmax(-1).tolist()
 
 
+def test_layer_weights_that_cannot_stack_are_an_error_naming_both(inductor_bundles, tiny_dir):
+    """One layer's weight in another dtype than the others' (a model edited after the build):
+    bind names it and the first layer's, and which stack they were to make, not a torch error."""
+    model = load_model(tiny_dir).model
+    up = model.model.layers[1].mlp.up_proj
+    up.weight.data = up.weight.data.to(torch.bfloat16)
+    with pytest.raises(
+        BundleError,
+        match=r"weight model\.layers\.1\.mlp\.up_proj\.weight is \[688, 256\] torch\.bfloat16, but model\.layers\.0\.mlp\.up_proj\.weight is \[688, 256\] torch\.float32; the weights stacked into model\.layers\.\*\.mlp\.up_proj\.weight must agree",
+    ):
+        Bundle.load(inductor_bundles[0].out).bind(model)
+
+
 def test_packages_hold_no_weights(inductor_bundles):
     """Every parameter is a runtime input: no package has constants baked in."""
     bundle = inductor_bundles[0]
