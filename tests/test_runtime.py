@@ -263,15 +263,8 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 def test_decode_steps_find_their_context_bucket_without_reading_positions(context_bundle, tiny_dir):
     """The engine made each step's positions from Python ints and says their largest
     (known_top): no step reduces the positions tensor to find its context bucket (a
-    reduction and a read each step, a sixth of a tiny model's host work)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    loaded, bundle = load_model(tiny_dir), Bundle.load(context_bundle)
-    bundle.bind(loaded.model)
-    for m in loaded.model.modules():
-        for d in vars(m).values():
-            if isinstance(d, Dispatcher):
-                wrap_steps(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
+    reduction and a read of the tensor each step)."""
+    loaded, bundle = _bound_unobserved(tiny_dir, context_bundle)
     used = record_contexts(loaded.model.model.layers[1].decode)
     counts = []
     for new in (1, 2, 10):  # the first a warm-up (the RoPE tables are made once); then 1 and 9 decode steps
@@ -319,6 +312,19 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _host_allocations_per_step(model_dir, out, batch: int) -> float:
     """Tensors the runtime makes per decode step outside the graphs (which are not counted)."""
+    loaded, bundle = _bound_unobserved(model_dir, out)
+    counts = []
+    for new in (2, 10):  # the difference between 9 steps and 1: decode steps only
+        counter = _Allocations()
+        with counter:
+            generate(loaded.model, prompts(*[5] * batch), new, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
+        counts.append(counter.count)
+    return (counts[1] - counts[0]) / 8
+
+
+def _bound_unobserved(model_dir, out):
+    """The model bound to the bundle, its graphs run outside any dispatch mode (a mode then
+    sees only the runtime's own ops) -> (loaded model, bundle)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     loaded, bundle = load_model(model_dir), Bundle.load(out)
@@ -327,13 +333,7 @@ def _host_allocations_per_step(model_dir, out, batch: int) -> float:
         for d in vars(m).values():
             if isinstance(d, Dispatcher):
                 wrap_steps(d, lambda context, bucket, run: lambda args: _run_without_modes(run, args, _disable_current_modes))
-    counts = []
-    for new in (2, 10):  # the difference between 9 steps and 1: decode steps only
-        counter = _Allocations()
-        with counter:
-            generate(loaded.model, prompts(*[5] * batch), new, max_batch=batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, stop_at_eos=False)
-        counts.append(counter.count)
-    return (counts[1] - counts[0]) / 8
+    return loaded, bundle
 
 
 def _run_without_modes(run, args, disable):
