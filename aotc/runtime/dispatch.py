@@ -66,9 +66,10 @@ class StepMemo:
         self.made: dict[tuple[int, object], tuple[torch.Tensor, int, object]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # the last padded call's
         self.reach = 0  # positions every call's context bucket holds at least (context_floor)
-        # A positions tensor and its largest value, as the engine that made it from Python
-        # ints knows it (known_top): its context bucket is found without reading the tensor.
-        self.top: tuple[torch.Tensor, int] | None = None
+        # A positions tensor, its version then, and its largest value, as the engine that
+        # made it from Python ints knows it (known_top): its context bucket is found without
+        # reading the tensor, while the tensor is unchanged.
+        self.top: tuple[torch.Tensor, int, int] | None = None
 
     def get(self, t: torch.Tensor, what):
         key = (id(t), what)
@@ -195,11 +196,11 @@ class Dispatcher:
             return None
         positions, reach = args[self.context_at], self.memo.reach
         top = self.memo.top
-        if top is not None and top[0] is positions:
+        if top is not None and top[0] is positions and top[1] == positions._version:
             # The caller's word, not a reduction and a read of the tensor each step. A word
             # too small runs a context that misses rows' positions: the graph's index checks
             # refuse the write (test_runtime::test_a_wrong_known_top_is_refused_by_the_graph).
-            need = max(top[1] + 1, reach)
+            need = max(top[2] + 1, reach)
             for c in self.contexts[bucket]:
                 if c >= need:
                     return c
@@ -361,9 +362,10 @@ def context_floor(memos: list[StepMemo], reach: int) -> Iterator[None]:
 def known_top(memos: list[StepMemo], positions: torch.Tensor, top: int) -> None:
     """Tell the entries of the bound model whose `memos` these are that `positions`' largest
     value is `top` (the engine made it from Python ints): until another call says otherwise,
-    they find its context bucket from `top`, not by reading the tensor."""
+    they find its context bucket from `top`, not by reading the tensor (while it is not
+    changed in place)."""
     for memo in memos:
-        memo.top = (positions, top)
+        memo.top = (positions, positions._version, top)
 
 
 def largest_chunk(model: torch.nn.Module) -> int | None:
