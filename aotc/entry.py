@@ -89,3 +89,10 @@ def entries_of(cls: type) -> dict[str, EntrySpec]:
             if spec is not None:
                 found[name] = spec
     return found
+
+
+def whole_steps(model) -> dict[str, set[tuple[type, str]]]:
+    """The model's whole steps, each with the entries it replaces
+    (CausalLM.whole_step_replaces); none for a module that is not a CausalLM."""
+    replaces = getattr(model, "whole_step_replaces", None)
+    return replaces() if replaces is not None else {}

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from . import heap
-from .entry import FREEZERS, EntrySpec, entries_of
+from .entry import FREEZERS, EntrySpec, entries_of, whole_steps
 from .errors import TraceError
 from .format import ParallelRecord, PassRecord, RegionSpec, ShardSpec, TensorSpec, WeightSpec
 from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of, weights_of
@@ -91,7 +91,7 @@ def whole_step_refusal(model: nn.Module, loops: bool) -> str | None:
 def unbuilt(model: nn.Module, loops: bool) -> frozenset[tuple[type, str]]:
     """The (class, method) entries a build leaves out: of each whole step
     (CausalLM.whole_step_replaces) and the entries it replaces, the side it does not make."""
-    replaces = model.whole_step_replaces() if hasattr(model, "whole_step_replaces") else {}
+    replaces = whole_steps(model)
     whole = bool(replaces) and whole_step_refusal(model, loops) is None
     return frozenset(m for method, replaced in replaces.items() for m in (replaced if whole else {(type(model), method)}))
 

@@ -24,6 +24,7 @@ from ..cache.keys import build_key as _build_key
 from ..cache.keys import recipe_key
 from ..cache.local import CacheError
 from ..cache.recipes import load_recipe, recipe_file, save_recipe
+from ..entry import whole_steps
 from ..errors import AotcError, BundleError
 from ..format import Manifest, artifact_label, bundle_writer, check_replaceable, crossed_weights, read_manifest, write_manifest
 from ..models.loader import load_model, memory_shortfall
@@ -101,8 +102,7 @@ def build(options: BuildOptions, progress: Progress | None = None) -> BuildResul
 
 def _build(options: BuildOptions, backend: Backend, cache: LocalCache | None, recipe: str | None, notes: list[str], progress: Progress, t0: float) -> BuildResult:
     p = make_plan(options, backend)
-    model = p.loaded.model
-    per_layer = whole_step_refusal(model, backend.loops) if hasattr(model, "whole_step_replaces") and model.whole_step_replaces() else None
+    per_layer = whole_step_refusal(p.loaded.model, backend.loops) if whole_steps(p.loaded.model) else None
     short = memory_shortfall(p.loaded.model, p.shapes.slots, p.shapes.max_seq)
     if short:  # bundles are often built for larger hosts: a warning here, an error at run
         notes.append(f"this bundle will not run on this machine: {short}")

@@ -21,7 +21,7 @@ from torch import nn
 from .. import fp8
 from ..backends import Backend, Program, get_backend
 from ..backends.base import Device, Weights
-from ..entry import entries_of
+from ..entry import entries_of, whole_steps
 from ..errors import BundleError
 from ..format import MANIFEST, Manifest, WeightSpec, artifact_label, bad_file, crossed_weights, read_manifest
 from ..kvcache import Regions
@@ -220,7 +220,7 @@ class Bundle:
         # method), so the instance's __dict__ is where Python keeps it, not a side channel.
         bound = {(type(m), method) for m in model.modules() for method, d in vars(m).items() if isinstance(d, Dispatcher)}
         # A whole step and the entries it replaces are two sides of one choice: the build made one.
-        for method, replaced in getattr(model, "whole_step_replaces", dict)().items():
+        for method, replaced in whole_steps(model).items():
             bound |= replaced if (type(model), method) in bound else {(type(model), method)}
         unbound = [f"{path or type(m).__name__}.{method}" for path, m in model.named_modules() for method in entries_of(type(m)) if (type(m), method) not in bound]
         if unbound:
