@@ -17,6 +17,12 @@ allocation), and the runtime picks the smallest C above the largest position.
 The method reads cache lengths from its caches' shapes, so it is unchanged. The instance's parameters and buffers
 become graph inputs, so one graph serves every instance of the class.
 
+`fresh="prefill_fresh"` on a split entry names another entry of the class, with the
+same arguments, that runs a call's first chunk in its place when that chunk's first
+row is at position 0: a packed prefill chunk (models/packing.py) whose every sequence
+starts in it, which then needs none of the cache's earlier positions. It is built
+per chunk bucket on the whole cache, with no context buckets.
+
 The class also provides `example_inputs(method, bucket, shapes)` returning the
 arguments (in signature order) that the tracer exports with.
 """
@@ -43,12 +49,13 @@ class EntrySpec:
     split: bool = False
     params: tuple[str, ...] = ()  # argument names, in order
     context: str | None = None  # the positions argument, for an entry built per context bucket
+    fresh: str | None = None  # the entry that runs a first chunk starting at position 0 (module docstring)
 
     def __hash__(self):
         return hash((self.method, self.bucket, self.caches))
 
 
-def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None, split: bool = False, context: str | None = None) -> Callable:
+def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None, split: bool = False, context: str | None = None, fresh: str | None = None) -> Callable:
     """Mark a method as a compiled entry; see the module docstring."""
     if bucket not in BUCKET_KINDS:
         raise TraceError(f"@entry(bucket={bucket!r}): expected one of {', '.join(BUCKET_KINDS)}")
@@ -63,7 +70,9 @@ def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None,
         kinds = {p.kind for p in list(inspect.signature(fn).parameters.values())[1:]}
         if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
             raise TraceError(f"@entry on {fn.__qualname__}: use plain positional arguments only (no *args, **kwargs)")
-        fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params, context)
+        if fresh is not None and not (split and context):
+            raise TraceError(f"@entry on {fn.__qualname__}: fresh={fresh!r} is for a split entry with context buckets (a prefill), which this is not")
+        fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params, context, fresh)
         return fn
 
     return mark
@@ -88,6 +97,13 @@ def entries_of(cls: type) -> dict[str, EntrySpec]:
             spec = getattr(fn, "__aotc_entry__", None)
             if spec is not None:
                 found[name] = spec
+    for spec in (s for s in found.values() if s.fresh):
+        other = found.get(spec.fresh)
+        if other is None or (other.bucket, other.params, other.caches, other.split, other.context) != (spec.bucket, spec.params, spec.caches, False, None):
+            raise TraceError(
+                f"{cls.__qualname__}.{spec.method}: fresh={spec.fresh!r} must name an entry of the class with the same bucket, arguments and "
+                f"caches, neither split nor built per context bucket ({', '.join(sorted(found))} are its entries)"
+            )
     return found
 
 

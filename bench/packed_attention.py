@@ -10,8 +10,10 @@ chunk's own 160 keys (masked outside each row's own sequence). transformers runs
 (9 query heads, 3 KV heads of 64), 30 layers, fp32:
 - aotc's `softmax_attend` as its prefill graph computes it (compiled by torch.compile, as
   Inductor would), at one prompt (48 rows, context 48), at four (160 rows, context 160), and
-  at four with a chunk graph of context 48 (a graph aotc does not build today: a chunk bucket
-  is built only at contexts at least as long as itself);
+  at four with a chunk graph of context 48 (a graph aotc does not build: a chunk bucket is
+  built only at contexts at least as long as itself);
+- the same in the prefill entry's fresh form (prefill_fresh), which a chunk from position 0
+  runs: its own rows only, at one prompt and at four;
 - `scaled_dot_product_attention` over the four sequences as a [4, 9, 38, 64] batch, causal.
 The best of 5 runs (common.timeit) of 30 layer calls; each compiled result checked against
 eager's on the same inputs.
@@ -35,7 +37,13 @@ from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.llama import softmax_attend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
-CASES = (("one prompt", 48, 48), ("four prompts", 160, 160), ("four prompts, chunk graph at context 48", 160, 48))
+CASES = (
+    ("one prompt", 48, 48),
+    ("one prompt, fresh form", 48, 0),
+    ("four prompts", 160, 160),
+    ("four prompts, chunk graph at context 48", 160, 48),
+    ("four prompts, fresh form", 160, 0),
+)
 
 
 def packed(rows: int, context: int) -> dict:

@@ -117,7 +117,7 @@ def test_a_backend_from_a_plugin_builds_runs_checks_and_verifies(tiny_dir, tmp_p
     r = runner.invoke(app, ["verify", str(out), *plugin, "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.output)
-    assert report["passed"] and report["backend"] == "fx_interpreter" and len(report["artifacts"]) == 5
+    assert report["passed"] and report["backend"] == "fx_interpreter" and len(report["artifacts"]) == 6
     # In a process without the plugin the bundle's backend is unknown, and the error says what to pass.
     r = subprocess.run([sys.executable, "-m", "aotc.cli", "inspect", str(out)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     said = " ".join((r.stdout + r.stderr).split())

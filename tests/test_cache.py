@@ -75,9 +75,9 @@ def test_shapes_buckets_flags_and_versions_change_keys(tiny_dir, base_keys, tmp_
 def test_second_build_hits_and_output_folder_does_not_matter(tiny_dir, tmp_path):
     cache = tmp_path / "cache"
     first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=cache, **OPTIONS))
-    assert (first.count("compiled"), first.count("cache")) == (5, 0)
+    assert (first.count("compiled"), first.count("cache")) == (6, 0)
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
-    assert (second.count("compiled"), second.count("cache")) == (0, 5)
+    assert (second.count("compiled"), second.count("cache")) == (0, 6)
     assert second.graphs_traced == 0  # assembled from the recipe: nothing traced
     a = {e.id: [x.files for x in e.artifacts] for e in first.manifest.entries}
     b = {e.id: [x.files for x in e.artifacts] for e in second.manifest.entries}
@@ -85,7 +85,7 @@ def test_second_build_hits_and_output_folder_does_not_matter(tiny_dir, tmp_path)
     # Without the recipe, the keys alone still hit.
     shutil.rmtree(cache / "builds")
     third = build(BuildOptions(tiny_dir, out=tmp_path / "c", cache_dir=cache, **OPTIONS))
-    assert (third.count("compiled"), third.count("cache"), third.graphs_traced) == (0, 5, 5)
+    assert (third.count("compiled"), third.count("cache"), third.graphs_traced) == (0, 6, 6)
 
 
 def test_corrupt_cache_entry_is_a_reported_miss_naming_the_file(tiny_dir, tmp_path):
@@ -132,7 +132,7 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     options = dict(batch_buckets=(1, 2, 4, 8), chunk_buckets=(16, 32), max_seq=64, backend="export")
     args = ["build", tiny_dir, "--backend", "export", "--buckets", "1,2,4,8", "--prefill-chunk", "16,32", "--max-seq", "64", "--cache-dir", cache]
     held = [LocalCache(cache).lock(key) for key in sorted({k for *_, k in build_keys(BuildOptions(tiny_dir, **options))})]
-    assert len(held) == 13  # 4 decode + 2 prefill at the context and 3 at the chunk contexts (16 at 16 and 32, 32 at 32) + 4 head
+    assert len(held) == 15  # 4 decode + 2 prefill at the context and 3 at the chunk contexts (16 at 16 and 32, 32 at 32) + 2 fresh + 4 head
     for lock in held:
         lock.acquire()
     try:
@@ -154,8 +154,8 @@ def test_two_concurrent_builds_compile_each_entry_once(tiny_dir, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     compiled = [int(re.search(r"(\d+) misses compiled", out).group(1)) for out, _ in outs]
     hits = [int(re.search(r"cache: (\d+) hits", out).group(1)) for out, _ in outs]
-    assert sum(compiled) == 13 and [c + h for c, h in zip(compiled, hits)] == [13, 13], outs
-    assert len(LocalCache(cache).entries()) == 13
+    assert sum(compiled) == 15 and [c + h for c, h in zip(compiled, hits)] == [15, 15], outs
+    assert len(LocalCache(cache).entries()) == 15
 
 
 @pytest.mark.skipif(InductorBackend().can_compile() is not None, reason="no C++ compiler for AOTInductor")
@@ -207,15 +207,15 @@ def test_cache_cli_key_ls_prune_and_require_cache(tiny_dir, tmp_path):
 
     r = runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "--require-cache", "-o", str(tmp_path / "b")])
     assert r.exit_code == 2
-    assert "--require-cache: 5 of 5 artifacts are not in the cache" in " ".join(r.output.split())
+    assert "--require-cache: 6 of 6 artifacts are not in the cache" in " ".join(r.output.split())
     assert "LlamaDecoderLayer.decode bucket 1" in r.output
 
     assert runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "-o", str(tmp_path / "b")]).exit_code == 0
     r = runner.invoke(app, ["build", *common, "--cache-dir", str(cache), "--require-cache", "-o", str(tmp_path / "c")], env={"COLUMNS": "200"})
-    assert r.exit_code == 0 and "5 hits, 0 misses" in r.output
+    assert r.exit_code == 0 and "6 hits, 0 misses" in r.output
 
     r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache)], env={"COLUMNS": "200"})
-    assert "5 entries" in r.output and "program.pt2" in r.output
+    assert "6 entries" in r.output and "program.pt2" in r.output
     # Each entry says what it was compiled for (the finished build's recipe), and --filter picks.
     rows = [line for line in r.output.splitlines() if "program.pt2" in line]
     assert all(tiny_dir.name in row and "export" in row for row in rows) and sum("LlamaDecoderLayer.decode bucket" in row for row in rows) == 2, rows
@@ -224,7 +224,7 @@ def test_cache_cli_key_ls_prune_and_require_cache(tiny_dir, tmp_path):
     r = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache), "--filter", "inductor"], env={"COLUMNS": "200"})
     assert "0 entries" in r.output
     r = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)])
-    assert r.exit_code == 0 and "removed 5 entries" in r.output
+    assert r.exit_code == 0 and "removed 6 entries" in r.output
     assert LocalCache(cache).entries() == []
     assert runner.invoke(app, ["cache", "prune", "--max-size", "lots", "--cache-dir", str(cache)]).exit_code == 2
 
@@ -298,10 +298,10 @@ def s3(monkeypatch):
 
 def test_remote_write_back_then_read_through(tiny_dir, tmp_path, s3):
     first = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c1", remote_cache="s3://aotc/ci", **OPTIONS))
-    assert first.count("compiled") == 5 and not first.remote_errors
+    assert first.count("compiled") == 6 and not first.remote_errors
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=tmp_path / "c2", remote_cache="s3://aotc/ci", **OPTIONS))
-    assert second.count("remote") == 5 and second.count("compiled") == 0
-    assert len(LocalCache(tmp_path / "c2").entries()) == 5  # verified copies in the local cache
+    assert second.count("remote") == 6 and second.count("compiled") == 0
+    assert len(LocalCache(tmp_path / "c2").entries()) == 6  # verified copies in the local cache
 
 
 def test_remote_that_is_down_never_fails_the_build(tiny_dir, tmp_path, monkeypatch):
@@ -310,8 +310,8 @@ def test_remote_that_is_down_never_fails_the_build(tiny_dir, tmp_path, monkeypat
         monkeypatch.setenv(k, "test")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     result = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c", remote_cache="s3://aotc/ci", **OPTIONS))
-    assert result.count("compiled") == 5 and result.remote_errors
-    assert len(LocalCache(tmp_path / "c").entries()) == 5
+    assert result.count("compiled") == 6 and result.remote_errors
+    assert len(LocalCache(tmp_path / "c").entries()) == 6
 
 
 @pytest.fixture(autouse=True)
@@ -342,10 +342,10 @@ def test_remote_refusing_writes_is_reported_and_local_cache_is_intact(tiny_dir, 
 
     monkeypatch.setattr(RemoteCache, "store", store)
     result = build(BuildOptions(tiny_dir, out=tmp_path / "a", cache_dir=tmp_path / "c", remote_cache="s3://aotc/x", **OPTIONS))
-    assert result.count("compiled") == 5 and len(refused) == 1  # the first refusal marks the remote down
+    assert result.count("compiled") == 6 and len(refused) == 1  # the first refusal marks the remote down
     assert any(e.startswith("put ") and "AccessDenied" in e for e in result.remote_errors), result.remote_errors
     cache = LocalCache(tmp_path / "c")
-    assert len(cache.entries()) == 5 and all(cache.get(e.key) for e in cache.entries())
+    assert len(cache.entries()) == 6 and all(cache.get(e.key) for e in cache.entries())
 
 
 def test_remote_bucket_missing_is_reported_and_local_cache_is_intact(tiny_dir, tmp_path, s3):
@@ -375,7 +375,7 @@ def test_remote_bucket_missing_is_reported_and_local_cache_is_intact(tiny_dir, t
     assert r.exit_code == 0, r.output
     assert "remote cache unavailable, build went on without it" in r.output and "NoSuchBucket" in r.output
     cache = LocalCache(tmp_path / "c")
-    assert len(cache.entries()) == 5 and all(cache.get(e.key) for e in cache.entries())
+    assert len(cache.entries()) == 6 and all(cache.get(e.key) for e in cache.entries())
 
 
 # -- sharded builds, and the CI workflow's commands ----------------------------------
@@ -386,10 +386,10 @@ def test_shards_then_assemble_from_hits_alone(tiny_dir, tmp_path):
     shards = [build(BuildOptions(tiny_dir, out=tmp_path / "unused", cache_dir=cache, shard=(i, 2), **OPTIONS)) for i in (1, 2)]
     assert [s.out for s in shards] == [None, None] and not (tmp_path / "unused").exists()
     mine = [{(a.entry_id, a.bucket) for a in s.artifacts} for s in shards]
-    assert mine[0].isdisjoint(mine[1]) and len(mine[0] | mine[1]) == 5
+    assert mine[0].isdisjoint(mine[1]) and len(mine[0] | mine[1]) == 6
     assert abs(len(mine[0]) - len(mine[1])) <= 1
     final = build(BuildOptions(tiny_dir, out=tmp_path / "bundle", cache_dir=cache, require_cache=True, **OPTIONS))
-    assert final.count("cache") == 5 and final.count("compiled") == 0
+    assert final.count("cache") == 6 and final.count("compiled") == 0
 
 
 @pytest.mark.slow  # 35 s of subprocess builds; its steps run in CI one by one (test_shards_then_assemble_from_hits_alone)
@@ -414,7 +414,7 @@ def test_ci_workflow_commands_run_locally(tiny_dir, tmp_path):
         assert path.removeprefix("- ") in workflow
     out = run("assemble", tiny_dir, tmp_path / "bundle", cache=merged).stdout
     assert "5 hits, 0 misses" in out and "every token matches eager" in out
-    assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["graphs_traced"] == 5
+    assert json.loads((tmp_path / "bundle" / "manifest.json").read_text())["graphs_traced"] == 6
 
 
 def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path, monkeypatch):
@@ -429,8 +429,8 @@ def test_require_cache_build_traces_and_keys_each_graph_once(tiny_dir, tmp_path,
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real_export(*a, **k))
     monkeypatch.setattr(key_stage, "cache_key", lambda *a, **k: keys_made.append(1) or real_key(*a, **k))
     second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=cache, require_cache=True, **OPTIONS))
-    assert second.count("cache") == len(second.artifacts) == first.graphs_traced == 5
-    assert len(exports) == len(keys_made) == 5
+    assert second.count("cache") == len(second.artifacts) == first.graphs_traced == 6
+    assert len(exports) == len(keys_made) == 6
 
 
 def test_sizes_are_decimal_as_printed_and_binary_when_spelled_out():

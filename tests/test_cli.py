@@ -34,7 +34,7 @@ def built(tmp_path_factory):
 
 def test_build_reports_graphs_and_table(built):
     model, bundle, output = built
-    assert "traced 11 graphs for 3 entries serving 5 module instances" in output  # max_seq 192: one context bucket, and the chunk contexts 16 and 32
+    assert "traced 13 graphs for 4 entries serving 7 module instances" in output  # max_seq 192: one context bucket, the chunk contexts 16 and 32, and the fresh form
     assert "LlamaDecoderLayer.prefill" in output and "LMHead.forward" in output
     assert "decode: a graph per layer, not one graph for the whole step (the backend builds no loops)" in output
     assert (bundle / "manifest.json").is_file()
@@ -42,6 +42,7 @@ def test_build_reports_graphs_and_table(built):
     assert files == sorted(
         [f"entries/LlamaDecoderLayer.decode/b{b}-c192/program.pt2" for b in (1, 2, 4)]  # context bucket: max_seq
         + [f"entries/LlamaDecoderLayer.prefill/b{b}-c{c}/program.pt2" for b in (16, 32) for c in (16, 32, 192) if c >= b]  # 16, 32: the chunk contexts
+        + [f"entries/LlamaDecoderLayer.prefill_fresh/b{b}/program.pt2" for b in (16, 32)]  # the fresh form: one per chunk, on the whole cache
         + [f"entries/LMHead.forward/b{b}/program.pt2" for b in (1, 2, 4)]
     )
     assert not list(bundle.parent.glob(".bundle.tmp-*"))  # no temporary folder left behind
@@ -227,7 +228,7 @@ def test_a_build_into_a_log_prints_each_artifact_as_it_finishes(tiny_dir, tmp_pa
     assert p.returncode == 0 and line.fullmatch(first.strip()), (first, rest, err)
     done = [first.strip()] + [ln for ln in rest.splitlines() if line.fullmatch(ln)]
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert len(done) == sum(len(e["artifacts"]) for e in manifest["entries"]) == 3  # decode, prefill, head at bucket 1
+    assert len(done) == sum(len(e["artifacts"]) for e in manifest["entries"]) == 4  # decode, prefill and its fresh form, head at bucket 1
     assert "━" not in err  # no progress bars off a terminal
 
 

@@ -95,8 +95,8 @@ def test_a_portable_build_has_no_avx512_instructions(tiny_dir, tmp_path):
 
 def test_a_parallel_build_compiles_each_artifact_into_one_package(inductor_bundles):
     parallel = inductor_bundles[0]
-    assert parallel.jobs == 2 and parallel.count("uncached") == 6  # decode at 1 and 8, prefill at the chunk context 16 and at 96, the head at 1 and 8
-    assert len(files(parallel)) == 6
+    assert parallel.jobs == 2 and parallel.count("uncached") == 7  # decode at 1 and 8, prefill at the chunk context 16 and at 96 and fresh, the head at 1 and 8
+    assert len(files(parallel)) == 7
     assert all(list(f) == ["model.pt2"] for f in files(parallel).values())
 
 

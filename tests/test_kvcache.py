@@ -405,7 +405,7 @@ def test_verify_runs_the_regions_and_compares_the_packed_bytes(fp8_bundle, monke
     from .conftest import assert_verify_catches_differences
 
     report = assert_verify_catches_differences(monkeypatch, fp8_bundle.out)
-    assert len(report.artifacts) == 6  # decode 1 and 4, prefill at the chunk context 16 and at 128, head 1 and 4
+    assert len(report.artifacts) == 7  # decode 1 and 4, prefill at the chunk context 16 and at 128 and fresh, head 1 and 4
 
 
 def test_a_packed_cache_given_whole_to_a_split_graph_is_an_error(fp8_bundle, tiny_dir):

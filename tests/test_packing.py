@@ -112,15 +112,17 @@ def bound(tiny_dir, tiny_bundle):
 
 def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
     """Prompts of 5, 30 and 70 tokens: 105 rows as chunks 64 + 64, two calls per layer
-    where prompt after prompt takes five (16; 16 + 16; 64 + 16); the tokens and logits
-    are eager's."""
+    where prompt after prompt takes five (16; 16 + 16; 64 + 16), the first in the fresh
+    form (every prompt in it starts there); the tokens and logits are eager's."""
     model, bundle = bound
     ps = prompts(5, 30, 70)
     used = []
-    wrap_steps(model.model.layers[1].prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    layer = model.model.layers[1]
+    wrap_steps(layer.prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append(("fresh", bucket)) or run(args))
     kw = dict(max_batch=bundle.max_batch, max_seq=bundle.max_seq, slots=bundle.cache_slots, keep_logits=True, stop_at_eos=False)
     compiled = generate(model, ps, 6, **kw)
-    assert used == [64, 64]
+    assert used == [("fresh", 64), 64]
     Bundle.unbind(model)
     eager = generate(model, ps, 6, **kw)
     for c, e in zip(compiled.sequences, eager.sequences):
@@ -131,25 +133,29 @@ def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
 @pytest.mark.parametrize(
     "steps, contexts",
     [
-        ([(70,)], [32, 64, 128]),  # calls of 32, 32 and 6 rows: 0-31, 32-63, 64-69
-        ([(3, 70)], [32, 64, 128]),  # packed: rows 0-31 reach position 28, 32-63 60, 64-72 69
-        ([(9,), (16,)], [16, 32]),  # a prompt's 16 rows from position 9, in a chunk of 16 at the chunk context 32
-        ([(12, 14)], [32]),  # 26 rows reaching position 13: the chunk of 32 at 32, not at 16 (the chunk of 16's)
+        ([(70,)], ["fresh", 64, 128]),  # calls of 32, 32 and 6 rows: 0-31 from position 0, 32-63, 64-69
+        ([(3, 70)], ["fresh", 64, 128]),  # packed: rows 0-31 from position 0, 32-63 reach 60, 64-72 69
+        ([(9,), (16,)], ["fresh", 32]),  # a prompt's 16 rows from position 9, in a chunk of 16 at the chunk context 32
+        ([(12, 14)], ["fresh"]),  # every sequence starts in the chunk
+        ([(9,), (4, 14)], ["fresh", 32]),  # 4 rows continuing from 9, then a new prompt: not fresh
     ],
 )
 def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, steps, contexts):
-    """Chunks of 16 and 32, context buckets 64 and 256: a call runs at the smallest context
-    its chunk bucket was built at that holds its positions: the chunk contexts, which only
-    the chunk entry has (16 and 32, at least as long as the bucket, and 128, 64 doubled
-    below 256), and 64 and 256. Each step's logits are eager's (a step after the first
-    continues the first prompt)."""
+    """Chunks of 16 and 32, context buckets 64 and 256: a call's first chunk from position
+    0 runs the fresh form (prefill_fresh: its own rows only); any other chunk runs at the
+    smallest context its chunk bucket was built at that holds its positions: the chunk
+    contexts, which only the chunk entry has (16 and 32, at least as long as the bucket,
+    and 128, 64 doubled below 256), and 64 and 256. Each step's logits are eager's (eager
+    runs the general form only; a step after the first continues the first prompt)."""
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(context_bundle)
     got = []
     for bound in (True, False):
         if bound:
             bundle.bind(loaded.model)
-            used = record_contexts(loaded.model.model.layers[1].prefill)
+            layer = loaded.model.model.layers[1]
+            used = record_contexts(layer.prefill)
+            wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append("fresh") or run(args))
         caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=bound)
         logits, start = [], 0
         for i, lengths in enumerate(steps):
@@ -224,3 +230,33 @@ def test_the_prefill_graph_masks_attention_with_a_float_bias(context_bundle):
     for softmax in softmaxes:
         scores, bias = softmax.args[0].args
         assert "add" in str(softmax.args[0].target) and bias.meta["val"].dtype == torch.float32, softmax.args[0].format_node()
+
+
+def test_the_fresh_prefill_graph_attends_to_the_chunks_own_rows_only(context_bundle):
+    """A chunk of 16 at context 64 attends to 64 cached positions and its 16 rows; its fresh
+    form (one graph per chunk, on the whole cache) to its 16 rows only."""
+    for entry, artifact, keys in (("LlamaDecoderLayer.prefill", "b16-c64", 64 + 16), ("LlamaDecoderLayer.prefill_fresh", "b16", 16)):
+        program = torch.export.load(str(context_bundle / "entries" / entry / artifact / "program.pt2"))
+        softmaxes = [n for n in program.graph_module.graph.nodes if "softmax" in str(n.target)]
+        # [KV heads, query heads per KV head x rows, keys]: the tiny llama's 4 query heads over 2 KV heads
+        assert softmaxes and {tuple(n.meta["val"].shape) for n in softmaxes} == {(2, 2 * 16, keys)}, entry
+
+
+def test_ranks_in_lockstep_run_the_general_prefill_at_their_floor(context_bundle, tiny_dir):
+    """Under context_floor (ranks that must run one graph: another rank's chunk may
+    continue a prompt), a chunk from position 0 runs the general form at the floor's
+    context, not the fresh one; its logits are eager's."""
+    from aotc.runtime.dispatch import context_floor, step_memos
+
+    loaded, bundle = load_model(tiny_dir), Bundle.load(context_bundle)
+    ps = [torch.tensor(p) for p in prompts(5, 9)]
+    eager = loaded.model.prefill_batch(ps, [0, 1], loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq))
+    bundle.bind(loaded.model)
+    layer = loaded.model.model.layers[1]
+    used = record_contexts(layer.prefill)
+    wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append("fresh") or run(args))
+    caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
+    with context_floor(step_memos(loaded.model), 64):
+        compiled = loaded.model.prefill_batch(ps, [0, 1], caches)
+    assert used == [64]
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)

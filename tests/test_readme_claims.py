@@ -48,7 +48,7 @@ def test_build_prints_its_table_and_the_fallback_message(tiny_dir, tmp_path, mon
     assert "using the export backend: inductor is unavailable: AOTInductor compiles C++ and no g++ or c++ is on PATH" in said
     for column in ("entry", "bucket", "context", "from", "seconds", "size"):
         assert column in said
-    assert "LlamaDecoderLayer.decode │ 1 │ 64 │ uncached" in said and "traced 3 graphs for 3 entries serving" in said
+    assert "LlamaDecoderLayer.decode │ 1 │ 64 │ uncached" in said and "traced 4 graphs for 4 entries serving" in said
 
 
 def test_jobs_default_is_bounded_by_cores_memory_work_and_load(monkeypatch):
@@ -96,7 +96,7 @@ def test_recipe_is_invalidated_when_a_source_changes(tiny_dir, tmp_path, monkeyp
 
     real = keys._source_digest.__wrapped__
     monkeypatch.setattr(keys, "_source_digest", lambda folder: real(folder) + "-edited")  # as if a file changed
-    assert build(BuildOptions(tiny_dir, out=tmp_path / "c2", cache_dir=cache, **OPTIONS)).graphs_traced == 5
+    assert build(BuildOptions(tiny_dir, out=tmp_path / "c2", cache_dir=cache, **OPTIONS)).graphs_traced == 6
 
 
 @pytest.mark.parametrize("tamper", ["file", "record"])
@@ -126,7 +126,7 @@ def test_remote_downloads_are_checked_before_they_enter_the_cache(tiny_dir, tmp_
                 s3.put_object(Bucket=bucket, Key=obj["Key"], Body=json.dumps(record).encode())
         remote_client.cache_clear()
         second = build(BuildOptions(tiny_dir, out=tmp_path / "b", cache_dir=tmp_path / "c2", remote_cache=f"s3://{bucket}/ci", **OPTIONS))
-        assert second.count("remote") == 0 and second.count("compiled") == 5  # refused, compiled locally instead
+        assert second.count("remote") == 0 and second.count("compiled") == 6  # refused, compiled locally instead
         assert second.remote_errors and not list(tmp_path.rglob("escape.pt2"))
     finally:
         remote_client.cache_clear()

@@ -105,8 +105,9 @@ def test_715_token_prompt_prefills_in_6_chunks_and_matches_unchunked_eager(tiny_
     model = loaded.model
     compiled = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
     logits = model.prefill(ids, 0, compiled)
-    per_layer = [k for k in calls if k[0] == "LlamaDecoderLayer.prefill"]
-    assert len(per_layer) == 6 * len(model.model.layers)  # 5 full chunks + 1 padded chunk per layer
+    per_layer = [k[0] for k in calls if k[0].startswith("LlamaDecoderLayer.prefill")]
+    # 5 full chunks + 1 padded chunk per layer, the first from position 0 in the fresh form
+    assert per_layer == (["LlamaDecoderLayer.prefill_fresh"] + ["LlamaDecoderLayer.prefill"] * 5) * len(model.model.layers)
     Bundle.unbind(model)
     eager = model.allocate_caches(bundle.cache_slots, bundle.max_seq)
     expected = model.prefill(ids, 0, eager)  # one unchunked call
@@ -200,15 +201,28 @@ def test_dispatch_uses_the_smallest_bucket_that_fits(bound):
         assert used and set(used) == {bucket}, (batch, used)
 
 
-@pytest.mark.parametrize("length, chunks", [(70, [64, 16]), (80, [64, 16]), (40, [64]), (32, [64]), (17, [64]), (16, [16]), (64, [64]), (8, [16])])
+@pytest.mark.parametrize(
+    "length, chunks",
+    [
+        (70, [("fresh", 64), 16]),
+        (80, [("fresh", 64), 16]),
+        (40, [("fresh", 64)]),
+        (32, [("fresh", 64)]),
+        (17, [("fresh", 64)]),
+        (16, [("fresh", 16)]),
+        (64, [("fresh", 64)]),
+        (8, [("fresh", 16)]),
+    ],
+)
 def test_a_prompt_runs_in_the_chunks_that_cost_least(bound, length, chunks):
     """Whole 64-token chunks, then the rest in the chunk buckets (16, 64) at the least cost,
-    a call counted as 48 rows: 17 to 40 tokens as one 64 (64 + 48), not 16 + 16 (32 + 96);
-    logits are eager's."""
+    a call counted as 48 rows: 17 to 40 tokens as one 64 (64 + 48), not 16 + 16 (32 + 96),
+    the first in the fresh form (from position 0); logits are eager's."""
     loaded, bundle = bound
     layer = loaded.model.model.layers[0]
     used = []
     wrap_steps(layer.prefill, lambda context, bucket, run: lambda args: used.append(bucket) or run(args))
+    wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append(("fresh", bucket)) or run(args))
     ids = torch.tensor(prompts(length)[0])
     caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=True)
     got = loaded.model.prefill(ids, 0, caches)
@@ -348,8 +362,8 @@ def test_host_allocations_per_decode_step_do_not_grow_with_layers(tmp_path):
     """Inputs every layer shares are padded once a step, and a padded layer's output feeds
     the next layer whole: at batch 3 (padded to 4) a step makes as many tensors outside
     the graphs with 2 layers as with 6. The builds trace as many graphs, context buckets
-    included: decode at 2 batch buckets x 2 context buckets, one prefill chunk at 2 context
-    buckets, the head at 2."""
+    included: decode at 2 batch buckets x 2 context buckets, one prefill chunk at 3 contexts
+    and in its fresh form, the head at 2."""
     from aotc.models.tiny import write_tiny
 
     per_step, traced = {}, {}
@@ -360,7 +374,7 @@ def test_host_allocations_per_decode_step_do_not_grow_with_layers(tmp_path):
         )
         traced[layers] = result.graphs_traced
         per_step[layers] = {batch: _host_allocations_per_step(model_dir, result.out, batch) for batch in (1, 3)}
-    assert traced == {2: 9, 6: 9}  # decode at 1 and 4, context 32 and 64; prefill at the chunk context 16, 32 and 64; the head at 1 and 4
+    assert traced == {2: 10, 6: 10}  # decode at 1 and 4, context 32 and 64; prefill at the chunk context 16, 32 and 64, and fresh; the head at 1 and 4
     assert per_step[2] == per_step[6], per_step
     assert per_step[2][1] <= 6 and per_step[2][3] <= 12, per_step
 

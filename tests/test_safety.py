@@ -159,7 +159,7 @@ def test_a_build_writes_nothing_into_a_cache_dir_aotc_did_not_make(model, tmp_pa
     fresh = tmp_path / "fresh"
     build(BuildOptions(model, out=tmp_path / "d", cache_dir=fresh, **OPTIONS))
     assert (fresh / "CACHEDIR.TAG").read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55\n")
-    assert LocalCache(fresh).prune(0)[0] == 3 and not list((fresh / "entries").glob("*/*/record.json"))
+    assert LocalCache(fresh).prune(0)[0] == 4 and not list((fresh / "entries").glob("*/*/record.json"))
 
 
 @pytest.mark.parametrize("where", ["model", "inside", "around"])
@@ -283,8 +283,8 @@ def test_an_export_program_is_rebuilt_when_first_run_from_the_bytes_checked_at_l
     Bundle.unbind(model)
     assert got.sequences[0].new_ids == generate(model, [[1, 5, 9]], 3, max_batch=1, max_seq=bundle.max_seq, slots=bundle.cache_slots).sequences[0].new_ids
     ran = [key for key in bundle.programs if checked[key] in rebuilt]
-    # The prompt's chunk ran at the chunk context 16, its decode at max_seq.
-    assert len(rebuilt) == len(ran) and sorted(ran) == [("LMHead.forward", 1, None), ("LlamaDecoderLayer.decode", 1, 256), ("LlamaDecoderLayer.prefill", 16, 16)], ran
+    # The prompt's chunk ran in the fresh form (from position 0), its decode at max_seq.
+    assert len(rebuilt) == len(ran) and sorted(ran) == [("LMHead.forward", 1, None), ("LlamaDecoderLayer.decode", 1, 256), ("LlamaDecoderLayer.prefill_fresh", 16, None)], ran
 
 
 def test_swapped_artifacts_are_refused_before_they_run(tiny_bundle, tmp_path):
@@ -412,7 +412,7 @@ def test_cache_records_and_recipes_never_lead_outside(model, tmp_path):
     data["entries"][0]["artifacts"][0]["dir"] = "entries/../../escaped/b1"
     recipe.write_text(json.dumps(data))
     result = build(BuildOptions(model, out=tmp_path / "b", cache_dir=cache, **OPTIONS))
-    assert result.graphs_traced == 3  # the recipe was a miss: traced and served from the cache
+    assert result.graphs_traced == 4  # the recipe was a miss: traced and served from the cache
     assert not (tmp_path / "escaped").exists() and not any(tmp_path.rglob("escaped"))
     record = next((cache / "entries").glob("*/*/record.json"))
     data = json.loads(record.read_text())

@@ -8,6 +8,7 @@ from torch import nn
 
 import aotc
 from aotc.backends import get_backend_class
+from aotc.entry import entries_of
 from aotc.errors import TraceError
 from aotc.models.loader import load_model
 from aotc.models.tiny import write_tiny
@@ -31,7 +32,7 @@ def test_graph_count_does_not_depend_on_layer_count(models):
     for n, loaded in models.items():
         variants = find_variants(loaded.model, shapes_of(loaded.model))
         ids = sorted(v.entry_id for v in variants)
-        assert ids == ["LMHead.forward", "LlamaDecoderLayer.decode", "LlamaDecoderLayer.prefill"]
+        assert ids == ["LMHead.forward", "LlamaDecoderLayer.decode", "LlamaDecoderLayer.prefill", "LlamaDecoderLayer.prefill_fresh"]
         decode = next(v for v in variants if v.entry_id == "LlamaDecoderLayer.decode")
         assert [p for p, _ in decode.instances] == [f"model.layers.{i}" for i in range(n)]
         counts[n] = len(variants)
@@ -228,6 +229,34 @@ def test_entry_with_non_tensor_argument_is_an_error():
 
     with pytest.raises(TraceError, match=r"'flag' is True \(bool\); entry arguments must be tensors"):
         find_variants(Stack([Bad()]), SHAPES)
+
+
+def test_a_fresh_form_must_be_an_entry_with_the_same_arguments():
+    """@entry(fresh=...): the form the runtime runs in place of a prefill's first chunk
+    from position 0 takes the same arguments and caches, and is one graph per chunk."""
+
+    def chunked(name, fresh_args="x, positions, cache", **fresh):
+        class Layer(nn.Module):
+            @aotc.entry(bucket="chunk", caches=("cache",), split=True, context="positions", fresh=name)
+            def prefill(self, x, positions, cache):
+                return x
+
+        if fresh_args is not None:
+            exec(f"def form(self, {fresh_args}):\n    return x", namespace := {})
+            setattr(Layer, "prefill_fresh", aotc.entry(bucket="chunk", caches=("cache",), **fresh)(namespace["form"]))
+        return Layer
+
+    assert entries_of(chunked("prefill_fresh"))["prefill"].fresh == "prefill_fresh"
+    for layer, why in [
+        (chunked("prefill_fresh", fresh_args=None), "prefill_fresh"),  # no such method
+        (chunked("prefill_fresh", fresh_args="x, slots, cache"), "same bucket, arguments"),
+        (chunked("prefill_fresh", split=True), "neither split"),
+        (chunked("decode"), "'decode'"),
+    ]:
+        with pytest.raises(TraceError, match=rf"Layer.prefill: fresh=.*{why}.*are its entries"):
+            entries_of(layer)
+    with pytest.raises(TraceError, match=r"fresh='prefill_fresh' is for a split entry with context buckets"):
+        aotc.entry(bucket="chunk", caches=("cache",), fresh="prefill_fresh")(lambda self, x, cache: x)
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])

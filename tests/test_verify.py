@@ -54,6 +54,7 @@ def test_export_bundle_verifies_every_artifact(tiny_bundle, monkeypatch):
     assert got == {
         ("LlamaDecoderLayer.decode", 1, 1), ("LlamaDecoderLayer.decode", 2, 2), ("LlamaDecoderLayer.decode", 4, 3),
         ("LlamaDecoderLayer.prefill", 16, 15), ("LlamaDecoderLayer.prefill", 64, 63),
+        ("LlamaDecoderLayer.prefill_fresh", 16, 15), ("LlamaDecoderLayer.prefill_fresh", 64, 63),
         ("LMHead.forward", 1, 1), ("LMHead.forward", 2, 2), ("LMHead.forward", 4, 3),
     }  # fmt: skip
 
@@ -89,7 +90,7 @@ def test_padding_that_reaches_a_real_slot_fails(tiny_bundle, tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bundle)
     failed = {(a.entry, a.bucket): a.problems for a in report.artifacts if not a.passed}
-    assert set(failed) == {("LlamaDecoderLayer.decode", 4), ("LlamaDecoderLayer.prefill", 16), ("LlamaDecoderLayer.prefill", 64)}
+    assert set(failed) == {("LlamaDecoderLayer.decode", 4)} | {(f"LlamaDecoderLayer.{m}", b) for m in ("prefill", "prefill_fresh") for b in (16, 64)}
     for problems in failed.values():
         assert any(re.search(r"wrote [kv]_cache at \(1, [\d, ]+\) \(slot 1\), where eager wrote nothing", p) for p in problems), problems
 
@@ -122,6 +123,7 @@ def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
     monkeypatch.setattr(verify_mod.Bundle, "load", loading)
     failed = _problems(verify(tiny_bundle.out))
     prefill = {("LlamaDecoderLayer.prefill", b, c) for b in (16, 64) for c in (16, 64, 256) if c >= b}  # 16, 64: the chunk contexts
+    prefill |= {("LlamaDecoderLayer.prefill_fresh", b, None) for b in (16, 64)}
     assert set(failed) == {("LlamaDecoderLayer.decode", 4, 256)} | prefill, failed
     for problems in failed.values():
         assert problems == [f"program.pt2: the padding rows wrote nothing into any cache's scratch slot {slots - 1}"], problems
@@ -336,4 +338,4 @@ def test_an_fp8_bundle_verifies_with_random_weights_quantized_as_recorded(tmp_pa
     out = build(BuildOptions(model, out=tmp_path / "b", backend="export", batch_buckets=(1, 2), chunk_buckets=(16,), max_seq=64)).out
     shutil.rmtree(model)
     report = assert_verify_catches_differences(monkeypatch, out)
-    assert report.weights == "random" and len(report.artifacts) == 6  # decode 1 and 2, prefill at the chunk context 16 and at 64, head 1 and 2
+    assert report.weights == "random" and len(report.artifacts) == 7  # decode 1 and 2, prefill at the chunk context 16 and at 64 and fresh, head 1 and 2

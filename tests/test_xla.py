@@ -95,7 +95,7 @@ def test_hlo_for_every_entry_and_bucket_with_donated_caches(xla_bundle):
     _, result = xla_bundle
     arts = list(result.manifest.artifacts())
     decode = [("LlamaDecoderLayer.decode", b, c) for c in (32, 64) for b in (1, 2)] + [("LlamaDecoderLayer.prefill", 16, c) for c in (16, 32, 64)]  # 16: the chunk context
-    others = [("LMHead.forward", 1, None), ("LMHead.forward", 2, None)]
+    others = [("LMHead.forward", 1, None), ("LMHead.forward", 2, None), ("LlamaDecoderLayer.prefill_fresh", 16, None)]
     assert sorted((e.id, a.bucket, a.context or 0) for e, a in arts) == sorted((e, b, c or 0) for e, b, c in decode + others)
     for e, a in arts:
         folder = result.out / a.dir

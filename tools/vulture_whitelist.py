@@ -26,6 +26,10 @@ cache_prune
 # nn.Module.forward is called by Module.__call__.
 _.forward
 
+# An entry's fresh form, named by its general entry (@entry(fresh="prefill_fresh")): the
+# runtime's dispatcher and the tracer find it by that name.
+_.prefill_fresh
+
 # The eager reference of a whole prompt's logits: the tests and benches compare against it.
 _.prompt_logits
 

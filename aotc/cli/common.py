@@ -90,7 +90,7 @@ BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma
 
 PREFILL_CHUNK = typer.Option(
     None, "--prefill-chunk", show_default=False,
-    help="Prefill chunk lengths, comma-separated (default: 16,48,160, each at most --max-seq): a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
+    help="Prefill chunk lengths, comma-separated (default: 16,48,160, each at most --max-seq): a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket, and once more for a first chunk from position 0 (every prompt in it starts there), which reads no cached positions.",
 )  # fmt: skip
 
 

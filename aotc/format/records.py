@@ -312,8 +312,8 @@ def bucket_contexts(kind: BucketKind, bucket: int, chunk_contexts, contexts) -> 
     """The contexts an entry that reads positions is built at, at one bucket, in increasing
     order: every context bucket, and for a chunk bucket also each chunk context at least as
     long as the chunk. A chunk graph reads all of its context's positions, masked or not:
-    a fresh 38-token chat prompt in a chunk of 64 reads 64 + 64 keys at context 64, 256 +
-    64 at 256."""
+    a chunk of 64 continuing a prompt from position 20 reads 64 + 64 keys at context 64,
+    256 + 64 at 256 (a chunk from position 0 runs the entry's fresh form: its own rows)."""
     return sorted([c for c in chunk_contexts if c >= bucket and kind == "chunk"] + list(contexts))
 
 

@@ -134,17 +134,18 @@ class LlamaAttention(nn.Module):
         out = softmax_attend(q, load(self.k_rows, k_cache, rows, x.dtype), load(self.v_rows, v_cache, rows, x.dtype), mask, self.scale)  # [B, kv, rep, hd]
         return all_reduce(self.o_proj(out.reshape(b, self.heads * self.head_dim)), self.group)
 
-    def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
+    def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache, fresh: bool = False):
         # x: [C, H], a chunk of one or more sequences' tokens (models.packing): the first
-        # may continue a sequence the cache holds, the others start here
+        # may continue a sequence the cache holds, the others start here (all of them, fresh)
         c, rep, dtype = x.shape[0], self.heads // self.kv_heads, x.dtype
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
         # A KV head's query heads and rows as the rows of one matmul against its keys: a
         # broadcast over the query heads would copy the keys once per query head.
         q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * c, self.head_dim)
-        keys = packed_rows(self.k_rows, k_cache, slots, positions, dtype)  # [kv, S + C, hd]
-        values = packed_rows(self.v_rows, v_cache, slots, positions, dtype)
-        mask = packed_bias(positions, slots, k_cache.shape[2], self.window).repeat(rep, 1)  # [rep * C, S + C]
+        cached = 0 if fresh else k_cache.shape[2]
+        keys = packed_rows(self.k_rows, k_cache, slots, positions, dtype, fresh)  # [kv, cached + C, hd]
+        values = packed_rows(self.v_rows, v_cache, slots, positions, dtype, fresh)
+        mask = packed_bias(positions, slots, cached, self.window).repeat(rep, 1)  # [rep * C, cached + C]
         out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
         out = out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim)
         return all_reduce(self.o_proj(out), self.group)
@@ -177,9 +178,17 @@ class LlamaDecoderLayer(nn.Module):
         h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True, context="positions")
+    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True, context="positions", fresh="prefill_fresh")
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
         h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
+    def prefill_fresh(self, x, cos, sin, positions, slots, k_cache, v_cache):
+        """prefill, for a chunk whose first row is at position 0 (so every sequence starts in
+        it): its rows attend to the chunk's own rows only, none of the cache's earlier
+        positions (models.packing). The runtime runs it in prefill's place."""
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache, fresh=True)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:

@@ -9,6 +9,12 @@ positions of its sequence before the chunk (the first sequence's only) and to th
 chunk's own rows of its sequence up to its position: a chunk of C rows reads one
 slot's cache and C rows more, however many sequences it holds.
 
+A chunk whose first row is at position 0 is *fresh*: every sequence in it starts
+there, and it reads its own C rows only. The prefill entry has a second form for it
+(`fresh=` on aotc.entry, LlamaDecoderLayer.prefill_fresh) that the runtime runs in
+its place: SmolLM2's four 38-token chat prompts, one chunk of 160 at context 160,
+attended over 320 keys a row in the general form, 160 in the fresh one.
+
 Rows of several sequences in one chunk graph, rather than chunk graphs with a batch
 dimension: a batch of short prompts (chat turns) fills one chunk bucket instead of
 padding each prompt to its own chunk, and the build gains no graph per (batch,
@@ -50,28 +56,31 @@ def pack(prompts: list[torch.Tensor], slots: list[int], start: int = 0) -> Packe
     )
 
 
-def packed_rows(rows, cache, slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def packed_rows(rows, cache, slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
     """[kv heads, cached + C, head dim]: the keys (or values) a packed chunk attends to, as
     packed_bias orders them: the first row's sequence's cached positions, then the
-    chunk's own rows as the cache holds them (written by this chunk). rows, cache: as
-    aotc.kvcache.load takes them."""
-    earlier = load(rows, cache, (slots[:1],), dtype)[0]
+    chunk's own rows as the cache holds them (written by this chunk). A `fresh` chunk
+    (its first row at position 0, so every sequence starts in it) reads its own rows
+    only: [kv heads, C, head dim]. rows, cache: as aotc.kvcache.load takes them."""
     own = load(rows, cache, (slots, slice(None), positions), dtype).transpose(0, 1)
-    return torch.cat([earlier, own], dim=1)
+    if fresh:
+        return own
+    return torch.cat([load(rows, cache, (slots[:1],), dtype)[0], own], dim=1)
 
 
 def packed_bias(positions: torch.Tensor, slots: torch.Tensor, cached: int, window: int | None = None) -> torch.Tensor:
     """[C, cached + C] float32, added to the scores: 0 at the keys each row of a packed
     chunk attends to, -inf elsewhere. First the cache's `cached` positions of the first
-    row's sequence (those before the chunk), then the chunk's rows (those of the row's
-    own sequence, up to its position). Padding rows (the scratch slot, position 0) see
-    each other only.
+    row's sequence (those before the chunk; none for a fresh chunk, cached 0), then the
+    chunk's rows (those of the row's own sequence, up to its position). Padding rows
+    (the scratch slot, position 0) see each other only.
 
     A bias, made part by part, and not a bool mask: a compiled graph keeps the mask in
     memory as floats. Inductor's CPU softmax kernel over a bool mask loaded from memory
     is slow: SmolLM2 bf16, a chunk of 128 at context 1024, 3.5 ms a layer, 1.5 ms with
     this bias; a masked softmax over [3, 384, 1152] scores alone, 5.2 ms against 0.81."""
-    return torch.cat([torch.where(part, 0.0, float("-inf")) for part in _visible_parts(positions, slots, cached, window)], dim=1)
+    parts = _visible_parts(positions, slots, cached, window)
+    return torch.cat([torch.where(part, 0.0, float("-inf")) for part in (parts if cached else parts[1:])], dim=1)
 
 
 def _visible_parts(positions, slots, cached: int, window: int | None):

@@ -229,6 +229,10 @@ class Bundle:
                 f"{self.dir}: the manifest has no compiled entry for {', '.join(unbound[:4])}"
                 f"{f' and {len(unbound) - 4} more' if len(unbound) > 4 else ''}; the bundle is incomplete. Rebuild it (aotc build)"
             )
+        for module in model.modules():
+            for method, spec in entries_of(type(module)).items():
+                if spec.fresh is not None and isinstance(vars(module).get(method), Dispatcher):
+                    vars(module)[method].fresh = vars(module)[spec.fresh]
 
     @staticmethod
     def unbind(model: nn.Module) -> None:

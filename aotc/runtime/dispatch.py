@@ -148,6 +148,8 @@ class Dispatcher:
         self.cover = _covers(tuple(self.buckets)) if self.split else {}
         # Per graph input: (argument index, region span, is a cache, dtype, pad value)
         self.plan = list(zip(self.arg_of, self.span, self.is_cache, self.dtypes, self.pads))
+        # The same instance's dispatcher of the entry's fresh form (EntrySpec.fresh), if it has one: Bundle.bind links it.
+        self.fresh: Dispatcher | None = None
 
     def __call__(self, *args):
         if len(args) != len(self.names):
@@ -159,13 +161,16 @@ class Dispatcher:
                 raise BundleError(f"{self.entry_id}: {n} rows but the largest bucket is {largest}; run at most {largest} rows per call, or rebuild with a larger bucket")
             return self._run(args, n)
         rows = self.pieces(n)
+        # A first chunk from position 0 (every sequence starts in it) runs the entry's fresh
+        # form, which reads no earlier cache positions; the chunks after it continue it.
+        first = self.fresh if self.fresh is not None and self._starts_fresh(args) else self
         if len(rows) == 1:
-            return self._run(args, n)
+            return first._run(args, n)
         pieces, start = [], 0
         for i, m in enumerate(rows):
             part = [a if cache else self._rows(a, i, rows, start, m) for a, cache in zip(args, self.arg_is_cache)]
             # Each call at the context bucket of its own rows: a long prompt's first chunks read fewer positions.
-            pieces.append(self._run(part, m, i))
+            pieces.append((first if i == 0 else self)._run(part, m, i))
             start += m
         join = Resident.joined if self.resident else torch.cat
         if self.single:
@@ -189,6 +194,15 @@ class Dispatcher:
         largest = self.buckets[-1]
         whole, rest = divmod(n, largest)
         return [largest] * whole + (self.cover[rest] if rest else [])
+
+    def _starts_fresh(self, args) -> bool:
+        """Whether the rows' first position is 0, found once per positions tensor. Not where
+        ranks in lockstep must run one graph (context_floor): another rank's chunk may continue."""
+        if self.memo.reach:
+            return False
+        positions = args[self.context_at]
+        found = self.memo.get(positions, "fresh")
+        return found if found is not None else self.memo.put(positions, "fresh", int(positions[0]) == 0)
 
     def _context(self, args, bucket: int) -> int | None:
         """The smallest context the bucket's graphs have that holds every row's position."""

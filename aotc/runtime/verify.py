@@ -158,7 +158,8 @@ def verify(
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
         check = ArtifactCheck(entry.id, art.bucket, art.context, n, instance_path, tolerance, lint=backend.findings(art.extra), precision=precision(model))
         checks.append(check)
-        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator), caches)
+        fresh = _general_of(type(instance), entry.method) is not None
+        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator, fresh), caches)
         if call is None:
             check.problems.append(f"the model's {'decode' if entry.bucket_kind == 'batch' else 'prefill'} never called {instance_path}.{entry.method}")
             continue
@@ -206,14 +207,19 @@ def _rows(bucket: int, buckets: list[int]) -> int:
     return bucket - 1 if bucket - 1 > below else bucket
 
 
-def _drive(model, kind: str, n: int, art, caches: dict, manifest: Manifest, g: torch.Generator) -> None:
+def _drive(model, kind: str, n: int, art, caches: dict, manifest: Manifest, g: torch.Generator, fresh: bool) -> None:
     vocab, bucket = model.config.vocab_size, art.bucket
     context = art.dims.get("context", manifest.shapes.max_seq)  # positions the artifact's context bucket holds
     ids = torch.randint(0, vocab, (n,), generator=g)
     if kind == "batch":
         model.decode(ids, torch.randint(1, context, (n,), generator=g), caches)
-    else:  # a chunk after a first one, where it fits: the call also reads what the cache holds
-        model.prefill(ids, 0, caches, start=bucket if bucket + n <= context else 0)
+    else:  # a chunk after a first one, where it fits: the call also reads what the cache holds (a fresh form's: from position 0)
+        model.prefill(ids, 0, caches, start=bucket if bucket + n <= context and not fresh else 0)
+
+
+def _general_of(cls: type, method: str) -> str | None:
+    """The entry of `cls` whose fresh form (EntrySpec.fresh) `method` is, if any."""
+    return next((s.method for s in entries_of(cls).values() if s.fresh == method), None)
 
 
 def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
@@ -224,10 +230,13 @@ def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
     eager = getattr(type(instance), method)
     spec = entries_of(type(instance))[method]
     kinds = {_storage(t): kind for kind, t in caches.items()}
+    # An entry's fresh form is no call of the eager model's: its general entry's first call
+    # (driven from position 0) is recorded, with the form's eager output on those arguments.
+    called = _general_of(type(instance), method) or method
 
     def recorder(*args):
         if calls:
-            return eager(instance, *args)
+            return getattr(type(instance), called)(instance, *args)
         cache_at = [i for i, p in enumerate(spec.params) if p in spec.caches]
         before = [a.clone() for a in args]
         with Writes([args[i] for i in cache_at]) as writes:
@@ -236,11 +245,11 @@ def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
         calls.append(Call(before, _clone(out), after, {i: writes.mask(args[i]) for i in cache_at}, {i: kinds[_storage(args[i])] for i in cache_at}))
         return out
 
-    setattr(instance, method, recorder)
+    setattr(instance, called, recorder)
     try:
         drive()
     finally:
-        delattr(instance, method)
+        delattr(instance, called)
     return calls[0] if calls else None
 
 
