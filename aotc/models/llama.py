@@ -180,15 +180,17 @@ class LlamaDecoderLayer(nn.Module):
 
     @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT}, split=True, context="positions", fresh="prefill_fresh")
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
-        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._prefill(x, cos, sin, positions, slots, k_cache, v_cache, fresh=False)
 
     @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
     def prefill_fresh(self, x, cos, sin, positions, slots, k_cache, v_cache):
         """prefill, for a chunk whose first row is at position 0 (so every sequence starts in
         it): its rows attend to the chunk's own rows only, none of the cache's earlier
         positions (models.packing). The runtime runs it in prefill's place."""
-        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache, fresh=True)
+        return self._prefill(x, cos, sin, positions, slots, k_cache, v_cache, fresh=True)
+
+    def _prefill(self, x, cos, sin, positions, slots, k_cache, v_cache, fresh: bool):
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache, fresh)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def example_inputs(self, method: str, rows: int, shapes) -> tuple[torch.Tensor, ...]:

@@ -158,8 +158,8 @@ def verify(
         n = _rows(art.bucket, manifest.shapes.buckets(entry.bucket_kind))
         check = ArtifactCheck(entry.id, art.bucket, art.context, n, instance_path, tolerance, lint=backend.findings(art.extra), precision=precision(model))
         checks.append(check)
-        fresh = _general_of(type(instance), entry.method) is not None
-        call = _record(model, instance, entry.method, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator, fresh), caches)
+        general = _general_of(type(instance), entry.method)
+        call = _record(model, instance, entry.method, general, lambda: _drive(model, entry.bucket_kind, n, art, caches, manifest, generator, general is not None), caches)
         if call is None:
             check.problems.append(f"the model's {'decode' if entry.bucket_kind == 'batch' else 'prefill'} never called {instance_path}.{entry.method}")
             continue
@@ -222,7 +222,7 @@ def _general_of(cls: type, method: str) -> str | None:
     return next((s.method for s in entries_of(cls).values() if s.fresh == method), None)
 
 
-def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
+def _record(model, instance, method: str, general: str | None, drive, caches: dict) -> Call | None:
     """Run `drive` eagerly; return the first call of instance.method, cloned, with where
     it wrote each of its caches (the model's `caches`). The model's other modules run as
     they are."""
@@ -230,9 +230,9 @@ def _record(model, instance, method: str, drive, caches: dict) -> Call | None:
     eager = getattr(type(instance), method)
     spec = entries_of(type(instance))[method]
     kinds = {_storage(t): kind for kind, t in caches.items()}
-    # An entry's fresh form is no call of the eager model's: its general entry's first call
+    # An entry's fresh form is no call of the eager model's: its `general` entry's first call
     # (driven from position 0) is recorded, with the form's eager output on those arguments.
-    called = _general_of(type(instance), method) or method
+    called = general or method
 
     def recorder(*args):
         if calls:
