@@ -18,10 +18,11 @@ The method reads cache lengths from its caches' shapes, so it is unchanged. The 
 become graph inputs, so one graph serves every instance of the class.
 
 `fresh="prefill_fresh"` on a split entry names another entry of the class, with the
-same arguments, that runs a call's first chunk in its place when that chunk's first
-row is at position 0: a packed prefill chunk (models/packing.py) whose every sequence
-starts in it, which then needs none of the cache's earlier positions. It is built
-per chunk bucket on the whole cache, with no context buckets.
+same arguments and `bucket="first"`, that runs a call's first chunk in its place when
+that chunk's first row is at position 0: a packed prefill chunk (models/packing.py)
+whose every sequence starts in it, which then needs none of the cache's earlier
+positions. It is built per first-chunk bucket (`--first-chunk`: the chunk buckets and
+finer ones, as a new prompt pads to them) on the whole cache, with no context buckets.
 
 The class also provides `example_inputs(method, bucket, shapes)` returning the
 arguments (in signature order) that the tracer exports with.
@@ -35,13 +36,15 @@ from typing import Callable
 
 from .errors import TraceError
 
-BUCKET_KINDS = ("batch", "chunk")
+BUCKET_KINDS = ("batch", "chunk", "first")
 
 
 @dataclass(frozen=True)
 class EntrySpec:
     method: str
-    bucket: str  # "batch": rows are sequences; "chunk": rows are tokens of one sequence
+    # "batch": rows are sequences; "chunk": rows are tokens of one sequence or more, packed;
+    # "first": a call's first chunk from position 0 (a fresh form's rows)
+    bucket: str
     caches: tuple[str, ...] = ()
     pad: dict = field(default_factory=dict)
     # The rows may run as consecutive calls, in order (the runtime picks the calls that
@@ -70,7 +73,7 @@ def entry(*, bucket: str, caches: tuple[str, ...] = (), pad: dict | None = None,
         kinds = {p.kind for p in list(inspect.signature(fn).parameters.values())[1:]}
         if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
             raise TraceError(f"@entry on {fn.__qualname__}: use plain positional arguments only (no *args, **kwargs)")
-        if fresh is not None and not (split and context):
+        if fresh is not None and not (split and context and bucket == "chunk"):
             raise TraceError(f"@entry on {fn.__qualname__}: fresh={fresh!r} is for a split entry with context buckets (a prefill), which this is not")
         fn.__aotc_entry__ = EntrySpec(fn.__name__, bucket, tuple(caches), dict(pad or {}), split, params, context, fresh)
         return fn
@@ -99,11 +102,15 @@ def entries_of(cls: type) -> dict[str, EntrySpec]:
                 found[name] = spec
     for spec in (s for s in found.values() if s.fresh):
         other = found.get(spec.fresh)
-        if other is None or (other.bucket, other.params, other.caches, other.split, other.context) != (spec.bucket, spec.params, spec.caches, False, None):
+        if other is None or (other.bucket, other.params, other.caches, other.split, other.context) != ("first", spec.params, spec.caches, False, None):
             raise TraceError(
-                f"{cls.__qualname__}.{spec.method}: fresh={spec.fresh!r} must name an entry of the class with the same bucket, arguments and "
+                f'{cls.__qualname__}.{spec.method}: fresh={spec.fresh!r} must name an entry of the class with bucket="first" and the same arguments and '
                 f"caches, neither split nor built per context bucket ({', '.join(sorted(found))} are its entries)"
             )
+    named = {s.fresh for s in found.values()}
+    for name in (n for n, s in found.items() if s.bucket == "first" and n not in named):
+        # Only a chunk entry's fresh= runs it: built alone, it would never be called.
+        raise TraceError(f'{cls.__qualname__}.{name}: bucket="first" is for the fresh form of a prefill entry, but no entry of the class names it in fresh=')
     return found
 
 

@@ -169,9 +169,11 @@ def tiny_bundle(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def context_bundle(tiny_dir, tmp_path_factory):
     """Graphs that read the first 64 cache positions, and all 256; prefill chunks of 16 and
-    32 also at the chunk contexts 16, 32 (16 at both, 32 at 32) and 128 (export)."""
+    32 also at the chunk contexts 16, 32 (16 at both, 32 at 32) and 128; a first chunk
+    from position 0 (the fresh form) of 8, 16, 24 or 32 rows (export)."""
     out = tmp_path_factory.mktemp("bundles") / "contexts"
-    return build(BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16, 32), max_seq=256, context_buckets=(64,), backend="export")).out
+    options = BuildOptions(tiny_dir, out=out, batch_buckets=(1, 2), chunk_buckets=(16, 32), first_chunk_buckets=(8, 24), max_seq=256, context_buckets=(64,), backend="export")
+    return build(options).out
 
 
 def hf_save(tmp_path, config_cls, model_cls, seed=0, **fields):

@@ -201,13 +201,13 @@ def test_prefill_chunks_cover_the_prompt_and_count_their_padding(bench):
 
 
 def test_chat_packs_a_batchs_prompts_and_rates_the_rows_it_ran(bench):
-    """One 38-token prompt runs as one call of 48 rows (not three of 16, nor one of 160),
-    four as one call of 160 rows (a step prefills up to the largest chunk, 160 tokens);
-    the first tokens are eager's; the ratios and GFLOP/s are of the columns."""
+    """One 38-token prompt runs as one first chunk of 40 rows (not a chunk of 48, nor three
+    of 16), four as one call of 160 rows (a step prefills up to the largest chunk, 160
+    tokens); the first tokens are eager's; the ratios and GFLOP/s are of the columns."""
     run, sections = bench
     result = sections["chat"](run)
     one, four = result["rows"]
-    assert (one["prompts"], one["tokens"], one["chunks"], one["rows computed"]) == (1, 38, "38", 48)
+    assert (one["prompts"], one["tokens"], one["chunks"], one["rows computed"]) == (1, 38, "38", 40)
     assert (four["prompts"], four["tokens"], four["chunks"], four["rows computed"]) == (4, 152, "152", 160)
     assert one["first tokens as eager's"] and four["first tokens as eager's"]
     for r in (one, four):

@@ -234,6 +234,11 @@ CROSS_CHECKS = {
     "batch buckets unsorted": (lambda m: m["shapes"].update(batch=[2, 1]), "shapes.batch: [2, 1] is not a strictly increasing list"),
     "context buckets duplicated": (lambda m: m["shapes"].update(context=[256, 256]), "shapes.context: [256, 256] is not a strictly increasing list"),
     "a context bucket above max_seq": (lambda m: m["shapes"].update(context=[300]), "shapes.context: [300] must end at max_seq (256)"),
+    "a first chunk above the largest chunk": (
+        lambda m: m["shapes"].update(first=[*m["shapes"]["chunk"], 4096]),
+        "shapes.first: [16, 64, 4096]: expected every chunk bucket ([16, 64]) and finer ones, none above the largest",
+    ),
+    "a chunk bucket no first chunk": (lambda m: m["shapes"].update(first=[64]), "shapes.first: [64]: expected every chunk bucket ([16, 64])"),
     "cache_slots 0": (lambda m: m["shapes"].update(cache_slots=0), "shapes.cache_slots: 0, but the largest batch bucket is 4"),
     "fp8_max 0": (lambda m: m["model"]["kv_cache"].update(fp8_max=0), "model.kv_cache.fp8_max: 0"),
     "fp8_max negative": (lambda m: m["model"]["kv_cache"].update(fp8_max=-448.0), "model.kv_cache.fp8_max: -448.0"),

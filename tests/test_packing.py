@@ -133,20 +133,22 @@ def test_a_batch_prefills_its_prompts_in_shared_chunks(bound):
 @pytest.mark.parametrize(
     "steps, contexts",
     [
-        ([(70,)], ["fresh", 64, 128]),  # calls of 32, 32 and 6 rows: 0-31 from position 0, 32-63, 64-69
-        ([(3, 70)], ["fresh", 64, 128]),  # packed: rows 0-31 from position 0, 32-63 reach 60, 64-72 69
-        ([(9,), (16,)], ["fresh", 32]),  # a prompt's 16 rows from position 9, in a chunk of 16 at the chunk context 32
-        ([(12, 14)], ["fresh"]),  # every sequence starts in the chunk
-        ([(9,), (4, 14)], ["fresh", 32]),  # 4 rows continuing from 9, then a new prompt: not fresh
+        ([(70,)], [("fresh", 32), 64, 128]),  # calls of 32, 32 and 6 rows: 0-31 from position 0, 32-63, 64-69
+        ([(3, 70)], [("fresh", 32), 64, 128]),  # packed: rows 0-31 from position 0, 32-63 reach 60, 64-72 69
+        ([(9,), (16,)], [("fresh", 16), 32]),  # a prompt's 16 rows from position 9, in a chunk of 16 at the chunk context 32
+        ([(12, 10)], [("fresh", 24)]),  # every sequence starts in the chunk: 22 rows in a first chunk of 24, not 32
+        ([(5,)], [("fresh", 8)]),
+        ([(9,), (4, 14)], [("fresh", 16), 32]),  # 4 rows continuing from 9, then a new prompt: not fresh
     ],
 )
 def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle, tiny_dir, steps, contexts):
     """Chunks of 16 and 32, context buckets 64 and 256: a call's first chunk from position
-    0 runs the fresh form (prefill_fresh: its own rows only); any other chunk runs at the
-    smallest context its chunk bucket was built at that holds its positions: the chunk
-    contexts, which only the chunk entry has (16 and 32, at least as long as the bucket,
-    and 128, 64 doubled below 256), and 64 and 256. Each step's logits are eager's (eager
-    runs the general form only; a step after the first continues the first prompt)."""
+    0 runs the fresh form (prefill_fresh: its own rows only) at the first-chunk bucket that
+    holds it (8, 16, 24, 32); any other chunk runs at the smallest context its chunk bucket
+    was built at that holds its positions: the chunk contexts, which only the chunk entry
+    has (16 and 32, at least as long as the bucket, and 128, 64 doubled below 256), and 64
+    and 256. Each step's logits are eager's (eager runs the general form only; a step after
+    the first continues the first prompt)."""
     loaded = load_model(tiny_dir)
     bundle = Bundle.load(context_bundle)
     got = []
@@ -155,7 +157,7 @@ def test_each_prefill_chunk_runs_the_context_bucket_its_rows_need(context_bundle
             bundle.bind(loaded.model)
             layer = loaded.model.model.layers[1]
             used = record_contexts(layer.prefill)
-            wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append("fresh") or run(args))
+            wrap_steps(layer.prefill_fresh, lambda context, bucket, run: lambda args: used.append(("fresh", bucket)) or run(args))
         caches = loaded.model.allocate_caches(bundle.cache_slots, bundle.max_seq, split=bound)
         logits, start = [], 0
         for i, lengths in enumerate(steps):

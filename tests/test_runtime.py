@@ -232,6 +232,32 @@ def test_a_prompt_runs_in_the_chunks_that_cost_least(bound, length, chunks):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "n, first, fresh, rows",
+    [
+        (20, (16, 32, 128), False, [16, 4]),  # two calls of 16 (16 + 16 + 2 x 48), not one of 128 (128 + 48)
+        (20, (16, 32, 128), True, [20]),  # from position 0: one first chunk of 32 (32 + 48)
+        (20, (16, 128), True, [16, 4]),  # no finer first chunk: as any other
+        (100, (16, 32, 128), True, [100]),
+        (200, (16, 32, 128), True, [128, 72]),  # whole largest chunks first, fresh or not
+    ],
+)
+def test_a_first_chunk_runs_as_one_call_where_its_finer_buckets_cost_least(n, first, fresh, rows):
+    """Dispatcher.pieces for chunks 16 and 128: a call's first chunk from position 0 runs the
+    fresh form at its own buckets, so rows that fit one of those run as that one call where
+    it costs least (rows padded plus 48 a call)."""
+    from types import SimpleNamespace
+
+    from aotc.runtime.dispatch import _covers
+
+    def buckets(bs):
+        return SimpleNamespace(buckets=list(bs), bucket_for=[None] + [min(b for b in bs if b >= r) for r in range(1, bs[-1] + 1)], cover=_covers(bs))
+
+    dispatcher = buckets((16, 128))
+    dispatcher.fresh = buckets(first)
+    assert Dispatcher.pieces(dispatcher, n, fresh) == rows
+
+
 @pytest.mark.parametrize("lengths, contexts", [((60,), [64] * 4 + [256] * 5), ((3, 70), [256] * 9), ((3, 50), [64] * 9)])
 def test_decode_runs_the_smallest_context_bucket_that_holds_every_row(context_bundle, tiny_dir, lengths, contexts):
     """A batch runs the context bucket of its longest sequence: a prompt of 60 decodes
@@ -452,16 +478,59 @@ def test_default_context_buckets_are_256_times_powers_of_4_below_max_seq(tiny_di
     assert given.context_buckets == (64, max_seq)
 
 
-@pytest.mark.parametrize("max_seq, chunks", [(1024, (16, 48, 160)), (160, (16, 48, 160)), (128, (16, 48, 128)), (32, (16, 32)), (8, (8,))])
-def test_default_chunk_buckets_are_cut_to_max_seq(tiny_dir, max_seq, chunks):
-    """A build that names no chunks takes the defaults, each at most max_seq; chunks the
-    user names are checked, not cut (the error names both options)."""
+@pytest.mark.parametrize(
+    "max_seq, chunks, first",
+    [
+        (1024, (16, 48, 160), (16, 24, 32, 40, 48, 64, 96, 128, 160)),
+        (160, (16, 48, 160), (16, 24, 32, 40, 48, 64, 96, 128, 160)),
+        (128, (16, 48, 128), (16, 24, 32, 40, 48, 64, 96, 128)),
+        (32, (16, 32), (16, 24, 32)),
+        (8, (8,), (8,)),
+    ],
+)
+def test_default_chunk_buckets_are_cut_to_max_seq(tiny_dir, max_seq, chunks, first):
+    """A build that names no chunks takes the defaults, each at most max_seq, and the finer
+    first chunks up to the largest; chunks the user names are checked, not cut (the error
+    names both options), and are the first chunks too unless --first-chunk adds others."""
     options = BuildOptions(tiny_dir, max_seq=max_seq)
     options.resolve_chunks()
-    assert options.chunk_buckets == chunks
+    assert (options.chunk_buckets, options.first_chunk_buckets) == (chunks, first)
     given = BuildOptions(tiny_dir, max_seq=max_seq, chunk_buckets=(8, 2048))
     with pytest.raises(AotcError, match=rf"--prefill-chunk 8,2048: 2048 is more than --max-seq {max_seq}"):
         given.resolve_chunks()
+    named = BuildOptions(tiny_dir, max_seq=max_seq, chunk_buckets=chunks)
+    named.resolve_chunks()
+    assert named.first_chunk_buckets == chunks
+    named = BuildOptions(tiny_dir, max_seq=max_seq, chunk_buckets=chunks, first_chunk_buckets=(4,))
+    named.resolve_chunks()
+    assert named.first_chunk_buckets == (4, *chunks)
+
+
+def test_first_chunks_above_the_largest_chunk_or_for_a_model_without_a_fresh_form_are_an_error(tiny_dir, tmp_path):
+    from aotc.builder.plan import make_plan
+
+    from .conftest import hf_save
+
+    with pytest.raises(AotcError, match=r"--first-chunk 24,64: 64 is more than the largest --prefill-chunk bucket, 32; a longer prompt runs whole largest"):
+        make_plan(BuildOptions(tiny_dir, chunk_buckets=(16, 32), first_chunk_buckets=(24, 64), max_seq=64, backend="export"))
+    import transformers
+
+    folder, _ = hf_save(
+        tmp_path,
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    generic = make_plan(BuildOptions(folder, chunk_buckets=(16, 32), max_seq=64, backend="export"))
+    assert generic.options.first_chunk_buckets == (16, 32) and "first" not in {v.spec.bucket for v in generic.variants}
+    with pytest.raises(AotcError, match=r"--first-chunk 24: .* has no fresh form of its prefill .* leave --first-chunk out"):
+        make_plan(BuildOptions(folder, chunk_buckets=(16, 32), first_chunk_buckets=(24,), max_seq=64, backend="export"))
 
 
 class _HostAsDevice:

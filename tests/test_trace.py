@@ -233,9 +233,10 @@ def test_entry_with_non_tensor_argument_is_an_error():
 
 def test_a_fresh_form_must_be_an_entry_with_the_same_arguments():
     """@entry(fresh=...): the form the runtime runs in place of a prefill's first chunk
-    from position 0 takes the same arguments and caches, and is one graph per chunk."""
+    from position 0 takes the same arguments and caches, bucketed by "first" (one graph per
+    first-chunk bucket); an entry bucketed by "first" that no fresh= names is refused."""
 
-    def chunked(name, fresh_args="x, positions, cache", **fresh):
+    def chunked(name, fresh_args="x, positions, cache", bucket="first", **fresh):
         class Layer(nn.Module):
             @aotc.entry(bucket="chunk", caches=("cache",), split=True, context="positions", fresh=name)
             def prefill(self, x, positions, cache):
@@ -243,13 +244,14 @@ def test_a_fresh_form_must_be_an_entry_with_the_same_arguments():
 
         if fresh_args is not None:
             exec(f"def form(self, {fresh_args}):\n    return x", namespace := {})
-            setattr(Layer, "prefill_fresh", aotc.entry(bucket="chunk", caches=("cache",), **fresh)(namespace["form"]))
+            setattr(Layer, "prefill_fresh", aotc.entry(bucket=bucket, caches=("cache",), **fresh)(namespace["form"]))
         return Layer
 
     assert entries_of(chunked("prefill_fresh"))["prefill"].fresh == "prefill_fresh"
     for layer, why in [
         (chunked("prefill_fresh", fresh_args=None), "prefill_fresh"),  # no such method
-        (chunked("prefill_fresh", fresh_args="x, slots, cache"), "same bucket, arguments"),
+        (chunked("prefill_fresh", fresh_args="x, slots, cache"), "same arguments"),
+        (chunked("prefill_fresh", bucket="chunk"), 'bucket="first"'),
         (chunked("prefill_fresh", split=True), "neither split"),
         (chunked("decode"), "'decode'"),
     ]:
@@ -257,6 +259,14 @@ def test_a_fresh_form_must_be_an_entry_with_the_same_arguments():
             entries_of(layer)
     with pytest.raises(TraceError, match=r"fresh='prefill_fresh' is for a split entry with context buckets"):
         aotc.entry(bucket="chunk", caches=("cache",), fresh="prefill_fresh")(lambda self, x, cache: x)
+
+    class Orphan(nn.Module):
+        @aotc.entry(bucket="first", caches=("cache",))
+        def prefill_fresh(self, x, cache):
+            return x
+
+    with pytest.raises(TraceError, match=r'Orphan.prefill_fresh: bucket="first" is for the fresh form of a prefill entry, but no entry'):
+        entries_of(Orphan)
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])

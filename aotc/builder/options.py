@@ -22,6 +22,11 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 # 2026-12-06, against 16,64,128 (the same 15 prefill graphs): one 38-token prompt 0.81x
 # to 0.97x, four 0.72x to 0.81x, a 500-token prompt 0.90x to 1.10x (noise), fp32 and bf16.
 DEFAULT_CHUNK_BUCKETS = (16, 48, 160)
+# A new prompt's first chunk (the prefill's fresh form: one graph per bucket, no context
+# buckets) pads to the next of these, not to the next chunk bucket: a GEMM's time grows with
+# its rows, padding included (SmolLM2-135M fp32: one 38-token chat turn at 40 rows, not 48,
+# bench/fresh_prefill.py). Steps of 8 up to 48, then of 32.
+DEFAULT_FIRST_CHUNK_BUCKETS = (16, 24, 32, 40, 48, 64, 96, 128, 160)
 DEFAULT_MAX_SEQ = 1024
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8-values")
 
@@ -81,6 +86,11 @@ class BuildOptions:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     # Prefill chunk lengths. Default: DEFAULT_CHUNK_BUCKETS, each at most max_seq; set by plan.
     chunk_buckets: tuple[int, ...] | None = None
+    # A prompt's first chunk from position 0 (fresh forms), with every chunk bucket. Default:
+    # DEFAULT_FIRST_CHUNK_BUCKETS up to the largest chunk with the default chunks, else the
+    # chunk buckets; set by plan.
+    first_chunk_buckets: tuple[int, ...] | None = None
+    first_chunk_given: tuple[int, ...] | None = field(default=None, init=False, repr=False)  # --first-chunk as given (resolve_chunks)
     max_seq: int | None = None  # default: min(max_position_embeddings, DEFAULT_MAX_SEQ), set by plan
     # Decode graphs per context bucket (the cache positions they read); max_seq always
     # joins. Default: powers of 4 from 256 below max_seq, then max_seq; set by plan.
@@ -178,7 +188,7 @@ class BuildOptions:
         shapes = manifest.shapes
         return cls(
             Path(model_dir), batch_buckets=tuple(shapes.batch),
-            chunk_buckets=tuple(shapes.chunk), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
+            chunk_buckets=tuple(shapes.chunk), first_chunk_buckets=tuple(shapes.first), max_seq=shapes.max_seq, context_buckets=tuple(shapes.context),
             backend=manifest.backend.name, device=manifest.backend.flags.get("device", "cpu"), plugins=tuple(manifest.plugins),
             kv_cache_dtype=manifest.model.kv_cache.dtype, use_cache=False, modeling=modeling_of(manifest.model.architecture),
             tensor_parallel=manifest.parallel.tensor_parallel, expert_parallel=manifest.parallel.expert_parallel,
@@ -187,7 +197,9 @@ class BuildOptions:
 
     def resolve_chunks(self) -> None:
         """Fill in chunk_buckets from max_seq (set first): the defaults, each cut to
-        max_seq (a chunk's tokens all go into the cache), or the given ones checked."""
+        max_seq (a chunk's tokens all go into the cache), or the given ones checked; then
+        first_chunk_buckets: with every chunk bucket, none above the largest."""
+        ladder = DEFAULT_FIRST_CHUNK_BUCKETS if self.chunk_buckets is None else ()
         if self.chunk_buckets is None:
             self.chunk_buckets = tuple(sorted({min(c, self.max_seq) for c in DEFAULT_CHUNK_BUCKETS}))
         long = [c for c in self.chunk_buckets if c > self.max_seq]
@@ -196,6 +208,17 @@ class BuildOptions:
                 f"--prefill-chunk {','.join(map(str, self.chunk_buckets))}: {long[0]} is more than --max-seq {self.max_seq}; "
                 "a chunk's tokens all go into the cache, so a chunk is at most max_seq tokens"
             )
+        largest = self.chunk_buckets[-1]
+        given = self.first_chunk_buckets
+        above = [c for c in given or () if c > largest]
+        if above:
+            raise AotcError(
+                f"--first-chunk {','.join(map(str, given))}: {above[0]} is more than the largest --prefill-chunk bucket, {largest}; "
+                "a longer prompt runs whole largest chunks first. Give first-chunk buckets up to it, or a larger --prefill-chunk"
+            )
+        self.first_chunk_given = given
+        finer = [c for c in ladder if c <= largest] if given is None else given
+        self.first_chunk_buckets = tuple(sorted({*finer, *self.chunk_buckets}))
 
     def resolve_contexts(self) -> None:
         """Fill in context_buckets from max_seq (set first): the default, or the given ones
@@ -211,7 +234,7 @@ class BuildOptions:
         self.context_buckets = tuple(sorted({*given, self.max_seq}))
 
     def buckets(self, kind: str) -> tuple[int, ...]:
-        return {"batch": self.batch_buckets, "chunk": self.chunk_buckets}[kind]
+        return {"batch": self.batch_buckets, "chunk": self.chunk_buckets, "first": self.first_chunk_buckets}[kind]
 
     def kv_cache(self, backend: Backend) -> KvCacheRecord:
         """The caches' dtype, and the fp8 maximum of the backend's target."""

@@ -75,10 +75,24 @@ def make_plan(options: BuildOptions, backend: Backend | None = None) -> Plan:
     variants = find_variants(loaded.model, shapes, loops=backend.loops)
     if not variants:
         raise AotcError(f"{options.model_dir}: the model marks no entry methods (@aotc.entry); nothing to build")
+    _first_chunks(options, variants)
     chunk_contexts = _chunk_contexts(options, loaded.model)
     variants = per_context([with_shards(v, loaded.model) for v in variants], _contexts(options, loaded.model), chunk_contexts)
     tasks = [(v, b) for v in variants for b in variant_buckets(v, options, chunk_contexts)]
     return Plan(options, backend, loaded, shapes, variants, tasks, chunk_contexts)
+
+
+def _first_chunks(options: BuildOptions, variants: list[Variant]) -> None:
+    """A model without a fresh form (an entry bucketed by "first") builds no first chunks: its
+    first-chunk buckets are its chunk buckets, and --first-chunk given for it is an error."""
+    if any(v.spec.bucket == "first" for v in variants) or options.first_chunk_buckets == options.chunk_buckets:
+        return
+    if options.first_chunk_given is not None:
+        raise AotcError(
+            f"--first-chunk {','.join(map(str, options.first_chunk_given))}: {options.model_dir}'s model has no fresh form of its prefill "
+            '(an entry with bucket="first"), so nothing would run these; leave --first-chunk out'
+        )
+    options.first_chunk_buckets = options.chunk_buckets
 
 
 def variant_buckets(v: Variant, options: BuildOptions, chunk_contexts: tuple[int, ...]) -> list[int]:

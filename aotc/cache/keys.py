@@ -75,6 +75,7 @@ def recipe_key(options: "BuildOptions", config: dict, model_class: type, backend
         "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest(),
         "batch": options.batch_buckets,
         "chunk": options.chunk_buckets,
+        "first": options.first_chunk_buckets,
         "max_seq": options.max_seq,
         "context": options.context_buckets,
         "kv_cache": options.kv_cache(backend),

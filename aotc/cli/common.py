@@ -65,13 +65,14 @@ def _fail(e: AotcError) -> None:
 PLUGIN = typer.Option([], "--plugin", help="PACKAGE.MODULE that registers a model architecture or a backend (repeatable); see docs/models.md, Bring your own model.")
 
 
-def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, **more):
+def _build_options(model_dir, buckets, prefill_chunk, max_seq, backend, device, compiler_flag, plugin, context_buckets=None, first_chunk=None, **more):
     from ..builder import BuildOptions, parse_buckets, parse_flags
 
     options = BuildOptions(
         model_dir,
         batch_buckets=parse_buckets(buckets, "--buckets"),
         chunk_buckets=parse_buckets(prefill_chunk, "--prefill-chunk") if prefill_chunk is not None else None,
+        first_chunk_buckets=parse_buckets(first_chunk, "--first-chunk") if first_chunk is not None else None,
         max_seq=max_seq,
         context_buckets=parse_buckets(context_buckets, "--context-buckets") if context_buckets is not None else None,
         backend=backend,
@@ -90,7 +91,13 @@ BUCKETS = typer.Option("1,2,4,8", "--buckets", help="Decode batch buckets, comma
 
 PREFILL_CHUNK = typer.Option(
     None, "--prefill-chunk", show_default=False,
-    help="Prefill chunk lengths, comma-separated (default: 16,48,160, each at most --max-seq): a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket, and once more for a first chunk from position 0 (every prompt in it starts there), which reads no cached positions.",
+    help="Prefill chunk lengths, comma-separated (default: 16,48,160, each at most --max-seq): a prompt runs in whole largest chunks, then its rest in the fewest calls and rows (a call costs about 48 rows); a batch's prompts share chunks. Each is built per context bucket.",
+)  # fmt: skip
+
+
+FIRST_CHUNK = typer.Option(
+    None, "--first-chunk", show_default=False,
+    help="Lengths of a call's first chunk from position 0 (every prompt in it starts there: it reads no cached positions, one graph each), comma-separated, none above the largest --prefill-chunk; the chunk buckets join them. A new prompt pads to the next of these (default: 16,24,32,40,48,64,96,128,160 with the default --prefill-chunk, else the chunk buckets).",
 )  # fmt: skip
 
 

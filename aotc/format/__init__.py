@@ -20,7 +20,7 @@ from the compile cache and a half-understood bundle would run wrong code.
 
 Records are designed for what comes next:
   * a bucket is `dims`, a record of named static dimensions ({"batch": 4},
-    {"chunk": 128}, {"batch": 4, "context": 1024}); `bucket` is the value of
+    {"chunk": 128}, {"first": 40}, {"batch": 4, "context": 1024}); `bucket` is the value of
     the dimension that the runtime pads, the entry's `bucket_kind`; `context`
     is the cache positions a decode graph reads (a context bucket). An entry
     built per context bucket is one entry whose artifacts are keyed by both

@@ -173,10 +173,12 @@ def _refusal(source: str, error: type[Exception]):
 
 def _check_shapes(m: Manifest, bad) -> None:
     s = m.shapes
-    for name in ("batch", "chunk", "context"):
+    for name in ("batch", "chunk", "context", "first"):
         values = getattr(s, name)
         if not values or values != sorted(set(values)) or values[0] < 1:
             bad(f"shapes.{name}", f"{values} is not a strictly increasing list of positive integers")
+    if not set(s.chunk) <= set(s.first) or s.first[-1] != s.chunk[-1]:
+        bad("shapes.first", f"{s.first}: expected every chunk bucket ({s.chunk}) and finer ones, none above the largest")
     if s.max_seq < 1 or s.context[-1] != s.max_seq:
         bad("shapes.context", f"{s.context} must end at max_seq ({s.max_seq}): the last context bucket reads the whole cache")
     c = s.chunk_contexts

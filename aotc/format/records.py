@@ -12,12 +12,12 @@ import msgspec
 
 from ..errors import BundleError
 
-FORMAT_VERSION = 19  # 19: copies, the compiled copies between cache slots of a backend that needs them (neuron)
+FORMAT_VERSION = 20  # 20: shapes.first, the buckets of a prompt's first chunk (a fresh form's: entry.py)
 MANIFEST = "manifest.json"
 ENTRIES_DIR = "entries"
 DEFAULT_ARTIFACTS = Path("artifacts")
 
-BucketKind = Literal["batch", "chunk"]
+BucketKind = Literal["batch", "chunk", "first"]
 # Load-time weight transforms (aotc.layout.TRANSFORMS): a bundle names one, never carries code.
 TransformName = Literal["stack"]
 StoredFormat = Literal["fp8", "fp4", "int8"]  # aotc.lowp_weights
@@ -299,9 +299,10 @@ class ShapesRecord:
     cache_slots: int  # the largest batch bucket plus one scratch slot
     context: list[int]  # the context buckets, max_seq last
     chunk_contexts: list[int]  # contexts only chunk entries have: chunk buckets below them, doublings between them (bucket_contexts)
+    first: list[int]  # a call's first chunk from position 0 (fresh forms): the chunk buckets and finer ones
 
     def buckets(self, kind: BucketKind) -> list[int]:
-        return self.batch if kind == "batch" else self.chunk
+        return {"batch": self.batch, "chunk": self.chunk, "first": self.first}[kind]
 
     def contexts(self, kind: BucketKind, bucket: int) -> list[int]:
         """The context buckets of a context-bucketed entry bucketed by `kind`, at `bucket`."""

@@ -182,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
     def prefill(self, x, cos, sin, positions, slots, k_cache, v_cache):
         return self._prefill(x, cos, sin, positions, slots, k_cache, v_cache, fresh=False)
 
-    @entry(bucket="chunk", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
+    @entry(bucket="first", caches=("k_cache", "v_cache"), pad={"slots": SCRATCH_SLOT})
     def prefill_fresh(self, x, cos, sin, positions, slots, k_cache, v_cache):
         """prefill, for a chunk whose first row is at position 0 (so every sequence starts in
         it): its rows attend to the chunk's own rows only, none of the cache's earlier

@@ -199,7 +199,7 @@ class Bundle:
             )
         weights = bound_weights(self.manifest, model, self.dir)
         device = self.backend.device_for(rank, world_size)
-        memo = StepMemo()
+        memo = StepMemo()  # one for every dispatcher of the model: dispatch.step_memos finds it at the first
         for entry in self.manifest.entries:
             for path in entry.instances:
                 found = type(model.get_submodule(path)).__name__

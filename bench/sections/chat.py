@@ -1,6 +1,6 @@
 """chat: time to first token at chat length: one 38-token chat prompt, and four,
 SmolLM2-135M-Instruct (bench/smollm2.py; the tiny model under --quick) in float32 and
-bfloat16, through a bundle of the default chunk buckets, against aotc's eager model and
+bfloat16, through a bundle of the default chunk and first-chunk buckets, against aotc's eager model and
 transformers at the same precision. Each engine is ready as a server keeps it (loaded,
 bound, its caches allocated); a request is its prompts' ids in, their first tokens out;
 the median of the rounds, the engines taken in turn each round. With the chunks the
@@ -18,7 +18,7 @@ import torch
 from common import Run, gemm_peak, print_misses, section, table
 from smollm2 import smollm2
 
-from aotc.builder.options import DEFAULT_CHUNK_BUCKETS
+from aotc.builder.options import DEFAULT_CHUNK_BUCKETS, DEFAULT_FIRST_CHUNK_BUCKETS
 from aotc.chat import render_user_turn
 from aotc.models.loader import load_model
 from aotc.runtime import Bundle, generate
@@ -39,7 +39,7 @@ def chat(run: Run) -> dict:
     rows = []
     for label, folder in folders.items():
         requests = chat_requests(folder, run.quick)
-        bundle = Bundle.load(run.bundle(folder, "chat", chunk_buckets=DEFAULT_CHUNK_BUCKETS, max_seq=1024))
+        bundle = Bundle.load(run.bundle(folder, "chat", chunk_buckets=DEFAULT_CHUNK_BUCKETS, first_chunk_buckets=DEFAULT_FIRST_CHUNK_BUCKETS, max_seq=1024))
         # Two instances, so that no request binds or unbinds: one bound, one eager.
         model, eager = (load_model(folder, **bundle.model_args(eager=e)).model for e in (False, True))
         dtype = next(model.parameters()).dtype
@@ -71,8 +71,8 @@ def chat(run: Run) -> dict:
                 raise SystemExit(f"chat: {label}: the bundle's first tokens {firsts['aotc']} are not eager's {firsts['eager']}")
             ms = {e: statistics.median(t) * 1e3 for e, t in times.items()}
             tokens = sum(map(len, prompts))
-            chunks = prefill.pieces(tokens)
-            computed = sum(prefill.bucket_for[m] for m in chunks)
+            chunks = prefill.pieces(tokens, fresh=True)  # a request's prompts start at position 0
+            computed = prefill.fresh.bucket_for[chunks[0]] + sum(prefill.bucket_for[m] for m in chunks[1:])
             rows.append({
                 "model": label, "prompts": len(prompts), "tokens": tokens, "chunks": "+".join(map(str, chunks)), "rows computed": computed,
                 "aotc ms": ms["aotc"], "eager ms": ms["eager"], "transformers ms": ms["transformers"],
@@ -90,13 +90,13 @@ def chat(run: Run) -> dict:
             r["target met"] = r["aotc/transformers"] <= TARGET
     misses = [f"{r['model']}, {r['prompts']} prompt(s): aotc takes {r['aotc/transformers']:.2f}x transformers' time" for r in rows if not r["target met"]]
     table(
-        f"time to first token (ms) at chat length, {PROMPT_TOKENS}-token prompts, chunk buckets {','.join(map(str, DEFAULT_CHUNK_BUCKETS))} "
+        f"time to first token (ms) at chat length, {PROMPT_TOKENS}-token prompts, chunk buckets {','.join(map(str, DEFAULT_CHUNK_BUCKETS))}, first chunks {','.join(map(str, DEFAULT_FIRST_CHUNK_BUCKETS))} "
         f"(target: aotc <= {TARGET}x transformers)",
         rows,
     )
     print_misses(misses)
     return {
-        "prompts": list(PROMPTS), "chunk_buckets": list(DEFAULT_CHUNK_BUCKETS), "rounds": rounds, "gemm_peak_GFLOPs": {str(d).removeprefix("torch."): p / 1e9 for d, p in peaks.items()},
+        "prompts": list(PROMPTS), "chunk_buckets": list(DEFAULT_CHUNK_BUCKETS), "first_chunk_buckets": list(DEFAULT_FIRST_CHUNK_BUCKETS), "rounds": rounds, "gemm_peak_GFLOPs": {str(d).removeprefix("torch."): p / 1e9 for d, p in peaks.items()},
         "target": {"aotc/transformers": TARGET}, "misses": misses, "rows": rows,
     }  # fmt: skip
 
