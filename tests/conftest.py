@@ -271,13 +271,16 @@ def record_contexts(dispatcher) -> list:
 
 
 def perturbing(part: str):
-    """A wrap for wrap_programs: steps whose outputs (part "output") or cache writes (part
+    """A wrap for wrap_programs: steps whose outputs (part "output": the floating ones;
+    "choice": the integer ones, each token id moved to its neighbour) or cache writes (part
     "cache": each byte the graph wrote, its bit 0x40 flipped) are not the graph's."""
 
     def wrap(key, run):
         def changed(args):
             if part == "output":
                 return [o + 0.5 * (1 + o.abs()) if o.is_floating_point() else o for o in run(args)]
+            if part == "choice":
+                return [o if o.is_floating_point() else torch.where(o > 0, o - 1, o + 1) for o in run(args)]
             before = [a.clone() if isinstance(a, torch.Tensor) else None for a in args]
             outs = run(args)
             for a, b in zip(args, before):
@@ -304,7 +307,10 @@ def assert_verify_catches_differences(monkeypatch, path, reference: bool = False
     assert report.passed and report.artifacts, [(a.entry, a.bucket, a.context, a.problems) for a in report.artifacts]
     manifest = read_manifest(path)
     writes = {e.id for e in manifest.entries if any(i.kind == "cache" for i in e.artifacts[0].inputs)}
-    for part, said in [("output", "output 0 differs by up to"), ("cache", "differently from eager where eager wrote")]:
+    # Token ids beside their logits (a whole decode step's argmax): judged as choices.
+    chooses = {e.id for e in manifest.entries if any(not getattr(torch, o.dtype).is_floating_point for o in e.artifacts[0].outputs)}
+    parts = [("output", "output 0 differs by up to"), ("cache", "differently from eager where eager wrote")]
+    for part, said in parts + ([("choice", "output 1 chose token")] if chooses else []):
         with monkeypatch.context() as m:
             if reference:
                 cls = get_backend_class(manifest.backend.name)
@@ -321,7 +327,7 @@ def assert_verify_catches_differences(monkeypatch, path, reference: bool = False
                 m.setattr(verify_mod.Bundle, "load", loading)
             got = verify_mod.verify(path, **kw)
         failed = {(a.entry, a.bucket, a.context) for a in got.artifacts if any(said in p for p in a.problems)}
-        expected = {(a.entry, a.bucket, a.context) for a in got.artifacts if part == "output" or a.entry in writes}
+        expected = {(a.entry, a.bucket, a.context) for a in got.artifacts if part == "output" or a.entry in (writes if part == "cache" else chooses)}
         assert failed == expected and expected, (part, [(a.entry, a.bucket, a.problems) for a in got.artifacts])
         assert not any(a.passed for a in got.artifacts if (a.entry, a.bucket, a.context) in expected)
     return report

@@ -47,6 +47,35 @@ def other_eps_export(tmp_path_factory):
     return build(BuildOptions(other, out=root / "b", batch_buckets=(1, 2, 4), chunk_buckets=(16, 64), max_seq=256, backend="export")).out
 
 
+def test_token_ids_beside_their_logits_are_judged_as_choices():
+    """A whole decode step's argmax output: each row's token is eager's (or, in lower
+    precision, the float32 reference's) argmax, or a near-tie with it within the error
+    allowed at that logit, as `aotc run --check` judges a run's tokens; not its ids' values
+    against a tolerance (bf16 SmolLM2's decode_step at batch 4: two ids 67 apart, a near-tie)."""
+    from aotc.runtime.verify import ArtifactCheck, _compare
+
+    logits = torch.tensor([[0.0, 5.0, 4.9999, 1.0], [2.0, 0.0, 0.0, 0.5]])
+    want = [logits, logits.argmax(dim=-1)]  # ids [1, 0]
+
+    def problems(ids, truth=None):
+        check = ArtifactCheck("LlamaForCausalLM.decode_step", 2, None, 2, "", 1e-3)
+        _compare([logits, torch.tensor(ids)], want, check, "model.pt2 output", truth)
+        return check.problems
+
+    assert problems([1, 0]) == [] and problems([2, 0]) == []  # 4.9999 ties 5.0 within 1e-3 x (1 + 5)
+    assert problems([3, 0]) == ["model.pt2 output 1 chose token 3 at row 0 where the reference's is 1, 4 above it (a near-tie is within 0.001 x (1 + |top logit|))"]
+    assert problems([1, 4]) == ["model.pt2 output 1 chose token 4 at row 1, outside the 4 logits"]
+    # Lower precision: against the float32 reference's logits, within twice eager's error.
+    truth = [logits + torch.tensor([[0.0, 0.0, 0.05, 0.0], [0.0] * 4]), want[1]]
+    # The reference's top is 2 (5.0499); eager's error, 0.05 / (1 + 5.05), allows twice that x (1 + 5.05) = 0.1 below it.
+    assert problems([1, 0], truth) == [] and problems([2, 0], truth) == []
+    assert problems([3, 0], truth)[0].startswith("model.pt2 output 1 chose token 3 at row 0")
+    # An integer output that is not eager's argmax of a float output is compared as values.
+    check = ArtifactCheck("X.forward", 2, None, 2, "", 1e-3)
+    _compare([logits, torch.tensor([0, 0])], [logits, torch.tensor([0, 1])], check, "out", None)
+    assert check.problems and "differs by up to 1" in check.problems[0]
+
+
 def test_export_bundle_verifies_every_artifact(tiny_bundle, monkeypatch):
     report = assert_verify_catches_differences(monkeypatch, tiny_bundle.out)
     got = {(a.entry, a.bucket, a.rows) for a in report.artifacts}

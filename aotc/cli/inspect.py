@@ -40,7 +40,7 @@ def inspect(
     console.print(
         f"[bold]{bundle}[/]  format {m.format_version}  {m.model.model_class} ({m.model.architecture})  "
         f"backend {m.backend.name} {m.backend.version}\n"
-        f"batch buckets {s.batch}  prefill chunks {s.chunk}  max_seq {s.max_seq}  context buckets {s.context}  "
+        f"batch buckets {s.batch}  prefill chunks {s.chunk}  first chunks {s.first}  max_seq {s.max_seq}  context buckets {s.context}  "
         f"cache slots {s.cache_slots} (last is scratch)  graphs {m.graphs_traced}\n"
         f"kv cache {m.model.kv_cache.dtype}{f' (max {m.model.kv_cache.fp8_max:g})' if m.model.kv_cache.dtype == 'fp8' else ''}  "
         + (f"{flag(m.parallel).lstrip('-').replace('-', ' ')} (collectives {m.parallel.collectives}; shapes per rank)  " if m.parallel.world_size > 1 else "")

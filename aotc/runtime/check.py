@@ -89,6 +89,14 @@ def error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).abs() / (1 + ref.abs())).max().item()
 
 
+def near_tie(ref: torch.Tensor, chosen: int, allowed: float) -> float | None:
+    """The reference logits' gap between their top and the one at `chosen`, where it is
+    within the error `allowed` at that logit (a near-tie: either token may be chosen); else None."""
+    top = ref.max()
+    gap = (top - ref[chosen]).item()
+    return gap if gap <= allowed * (1 + top.abs().item()) else None
+
+
 def bound(twin_error: float, tolerance: float) -> float:
     """The error a lower-precision result may have: max(2 x its eager twin's, the fp32 tolerance)."""
     return max(TWIN_FACTOR * twin_error, tolerance)
@@ -157,9 +165,8 @@ def compare_to_reference(gen: Generation, twin: Generation, ref: Generation, tol
         if differ:
             # A token the bundle chose over the reference's is a near-tie when the reference's
             # gap between the two is within the error allowed at that logit.
-            gaps = [(r.logits[i][chosen[i]] - r.logits[i][s.new_ids[i]]).item() for i in differ]
-            tops = [r.logits[i][chosen[i]].abs().item() for i in differ]
-            if all(g <= allowed * (1 + top) for g, top in zip(gaps, tops)):
+            gaps = [near_tie(r.logits[i], s.new_ids[i], allowed) for i in differ]
+            if None not in gaps:
                 gap = max(gaps)
         diff = max((a - b).abs().max().item() for a, b in zip(s.logits, r.logits))
         twin_ids = [int(x.argmax()) for x in t.logits]

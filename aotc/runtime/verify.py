@@ -53,7 +53,7 @@ from ..models.loader import full_precision, get_architecture, load_model, memory
 from ..parallel import flag
 from ..plugins import load_plugins
 from .bundle import Bundle, bound_weights
-from .check import bound, error, precision, tolerance_for
+from .check import bound, error, near_tie, precision, tolerance_for
 from .dispatch import Dispatcher
 
 SEED = 0
@@ -351,6 +351,14 @@ def _compare(got, want, check: ArtifactCheck, what: str, truth=None) -> tuple[fl
         if a.shape != b.shape:
             check.problems.append(f"{what} {i} has shape {list(a.shape)}, eager's {list(b.shape)}")
             continue
+        j = _argmax_of(want, i)
+        if j is not None:  # token choices: compared as runtime.check compares a run's tokens
+            ref = want[j] if truth is None else truth[j]
+            allowed = check.tolerance if truth is None else bound(error(want[j], truth[j]), check.tolerance)
+            why = _judge_choices(a, ref, allowed)
+            if why:
+                check.problems.append(f"{what} {i} {why}")
+            continue
         ref = b if truth is None else truth[i]
         diff = (a.float() - ref.float()).abs().max().item() if a.numel() else 0.0
         scale = ref.float().abs().max().item() if ref.numel() else 0.0
@@ -359,6 +367,33 @@ def _compare(got, want, check: ArtifactCheck, what: str, truth=None) -> tuple[fl
         if why:
             check.problems.append(f"{what} {i} {why}")
     return worst_abs, worst_rel
+
+
+def _argmax_of(outs, i: int) -> int | None:
+    """The float output [..., V] of eager's call whose argmax its integer output i [...] is
+    (decode_step's tokens beside their logits), found on eager's own outputs; else None."""
+    ids = outs[i]
+    if ids.is_floating_point():
+        return None
+    for j, logits in enumerate(outs):
+        if logits.is_floating_point() and logits.shape[:-1] == ids.shape and logits.numel() and torch.equal(logits.argmax(dim=-1), ids):
+            return j
+    return None
+
+
+def _judge_choices(chosen: torch.Tensor, ref: torch.Tensor, allowed: float) -> str | None:
+    """Token ids [...] against the reference's logits [..., V]: each its argmax, or a near-tie
+    with it within the error allowed at that logit (runtime.check's rule). None, or how not."""
+    ref, chosen = ref.reshape(-1, ref.shape[-1]).float(), chosen.reshape(-1)
+    outside = ((chosen < 0) | (chosen >= ref.shape[-1])).nonzero().flatten().tolist()
+    if outside:
+        return f"chose token {int(chosen[outside[0]])} at row {outside[0]}, outside the {ref.shape[-1]} logits"
+    for row in (chosen != ref.argmax(dim=-1)).nonzero().flatten().tolist():
+        if near_tie(ref[row], int(chosen[row]), allowed) is None:
+            top = int(ref[row].argmax())
+            gap = (ref[row, top] - ref[row, int(chosen[row])]).item()
+            return f"chose token {int(chosen[row])} at row {row} where the reference's is {top}, {gap:.3g} above it (a near-tie is within {allowed:g} x (1 + |top logit|))"
+    return None
 
 
 def _judge(check: ArtifactCheck, got: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor | None) -> str | None:
