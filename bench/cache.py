@@ -26,9 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import table, write_results  # noqa: E402
 
-from aotc.format import encode, read_manifest, write_atomic  # noqa: E402
+from aotc.format import read_manifest  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
 
 
@@ -74,9 +74,7 @@ def main() -> None:
         sharded = time.perf_counter() - t0
         rows.append({"build": "2-way sharded + assemble", "seconds": sharded, "vs cold": sharded / cold})
     table(f"aotc build, embedded default model, inductor, buckets 1,2,4,8 + chunk 128 ({graphs} graphs)", rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "graphs": graphs, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "graphs": graphs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,12 +27,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import console, table, write_results  # noqa: E402
 from sections.chat import chat_requests, first_tokens  # noqa: E402
 from smollm2 import smollm2  # noqa: E402
 
 from aotc.builder import BuildOptions, build  # noqa: E402
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
 from aotc.runtime import Bundle  # noqa: E402
 
@@ -92,8 +91,7 @@ def main() -> None:
             for row in rows:
                 row[f"{name} / first set"] = row[f"{name} ms"] / base
     table(f"time to first token by chunk buckets, SmolLM2-135M {args.dtype}, inductor, max_seq 1024 (ms, median of {args.rounds})", rows)
-    write_atomic(args.out, encode({"dtype": args.dtype, "rounds": args.rounds, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"dtype": args.dtype, "rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -204,6 +204,16 @@ def gemm_peak(n: int = 2048, min_time: float = 2.0, dtype: torch.dtype = torch.f
     return 2 * n**3 / timeit(lambda: a @ b, min_time=min_time, repeats=5, best=True)
 
 
+def write_results(out: Path, results: dict) -> None:
+    """A standalone bench's results as JSON at `out` (written whole or not at all), with the
+    torch version and thread count they ran with; says where."""
+    from aotc.format import encode, write_atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), **results}))
+    console.print(f"wrote {out}")
+
+
 def print_misses(misses: list[str]) -> None:
     for miss in misses:
         console.print(f"  target missed: {miss}", highlight=False)

@@ -21,9 +21,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import table, write_results  # noqa: E402
 
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.fp8 import rescale_weights  # noqa: E402
 
 CHUNK = 1 << 26
@@ -57,9 +56,7 @@ def main() -> None:
         {"method": "torch ops on the host", "seconds": ops_s, "Gelem/s": args.elements / ops_s / 1e9, "vs aotc": ops_s / lut_s},
     ]
     table(f"rescale {args.elements:,} e4m3fn weights to trn2's e4m3 (value/2)", rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"elements": args.elements, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"elements": args.elements, "rows": rows})
 
 
 if __name__ == "__main__":

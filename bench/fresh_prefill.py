@@ -30,13 +30,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import table, write_results  # noqa: E402
 from sections.chat import chat_requests  # noqa: E402
 from smollm2 import smollm2  # noqa: E402
 
 from aotc.builder import BuildOptions, build  # noqa: E402
 from aotc.builder.options import DEFAULT_CHUNK_BUCKETS, DEFAULT_FIRST_CHUNK_BUCKETS  # noqa: E402
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
 from aotc.runtime import Bundle  # noqa: E402
 
@@ -103,9 +102,7 @@ def main() -> None:
         f"SmolLM2-135M prefill_batch: the fresh form at the first-chunk buckets, at the chunk buckets, and the general form, in turn with transformers, ms, median of {args.rounds} rounds (torch {torch.__version__}, {torch.get_num_threads()} threads)",
         rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "rounds": args.rounds, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -35,11 +35,9 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table  # noqa: E402
+from common import table, write_results  # noqa: E402
 from fused_linears import Separate, norm, package  # noqa: E402
 from packed_gemm import HIDDEN, INTER, KV, LAYERS  # noqa: E402
-
-from aotc.format import encode, write_atomic  # noqa: E402
 
 ROWS = (48, 160)
 PACKED: dict[int, tuple[str, torch.Tensor]] = {}  # the dense weight's address -> (kind, its packed form)
@@ -151,9 +149,7 @@ def main() -> None:
         f"(torch {torch.__version__}, {torch.get_num_threads()} threads)",
         rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "rounds": args.rounds, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":

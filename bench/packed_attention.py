@@ -31,9 +31,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table, timeit  # noqa: E402
+from common import table, timeit, write_results  # noqa: E402
 
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.llama import softmax_attend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -74,9 +73,7 @@ def main() -> None:
     for row in rows:
         row["/ sdpa per sequence"] = row["ms"] / sdpa
     table(f"{LAYERS} layers' prefill attention, fp32, SmolLM2-135M's heads, ms (torch {torch.__version__}, {torch.get_num_threads()} threads)", rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rows": rows})
 
 
 if __name__ == "__main__":

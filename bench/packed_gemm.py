@@ -31,9 +31,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table, timeit  # noqa: E402
-
-from aotc.format import encode, write_atomic  # noqa: E402
+from common import console, table, timeit, write_results  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
@@ -117,9 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aotc-packed-") as tmp:
         verdict = packed_as_input(Path(tmp))
     console.print(f"a graph taking a oneDNN-packed weight as an input: {verdict}", highlight=False)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "rows": rows, "packed weight as a graph input": verdict}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rows": rows, "packed weight as a graph input": verdict})
 
 
 if __name__ == "__main__":

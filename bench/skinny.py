@@ -52,10 +52,9 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, copy_bandwidth, gemm_peak, table, timeit  # noqa: E402
+from common import copy_bandwidth, gemm_peak, table, timeit, write_results  # noqa: E402
 
 from aotc import lowp_weights  # noqa: E402
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.passes import rewrite_skinny_linears  # noqa: E402
 from aotc.passes.rewrite_skinny_linears import RewriteSkinnyLinears  # noqa: E402
 from aotc.passes.rewrite_skinny_matmuls import MATMUL_ROWS, RewriteSkinnyMatmuls  # noqa: E402
@@ -304,12 +303,10 @@ def main() -> None:
     int8_rows = bench_int8(weights, g)
     stripe_rows = bench_stripes(weights, g)
     attention_rows = bench_attention(g)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({
+    write_results(args.out, {
         "weights_MB": nbytes / 1e6, "copy_GBps": copy / 1e9, "gemm_peak_GFLOPs": peak / 1e9, "rows": rows, "fp8_1_row": fp8_rows, "int8": int8_rows,
         "stripes": stripe_rows, "attention": attention_rows,
-    }))  # fmt: skip
-    console.print(f"wrote {args.out}")
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table, timeit  # noqa: E402
-
-from aotc.format import encode, write_atomic  # noqa: E402
+from common import console, table, timeit, write_results  # noqa: E402
 
 LAYERS, WIDTH, SLOTS = 4, 256, 9
 
@@ -130,9 +128,7 @@ def main() -> None:
     table(f"{LAYERS} layers in one while_loop call against a call per layer (torch {torch.__version__}, {torch.get_num_threads()} threads)", [
         {k: v for k, v in r.items() if k != "why"} for r in rows])  # fmt: skip
     console.print(f"with grad enabled: {rows[0].get('why', 'taken')}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import console, table, timeit  # noqa: E402
+from common import table, timeit, write_results  # noqa: E402
 from smollm2 import smollm2  # noqa: E402
 
 from aotc.builder import BuildOptions, build  # noqa: E402
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
 from aotc.quantize_checkpoint import quantize_model  # noqa: E402
 from aotc.runtime import Bundle, generate  # noqa: E402
@@ -115,9 +114,7 @@ def main() -> None:
             heads.append(h)
     table(f"SmolLM2-135M-Instruct, batch-1 decode step by graph ({torch.get_num_threads()} threads, {NEW} tokens, best of 3)", rows)
     table("the head graph alone: weights warm in the caches, and after 200 MB streamed through them", heads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"threads": torch.get_num_threads(), "rows": rows, "head": heads}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"rows": rows, "head": heads})
 
 
 if __name__ == "__main__":

@@ -30,11 +30,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from common import M100, POSITIONS, console, table  # noqa: E402
+from common import M100, POSITIONS, table, write_results  # noqa: E402
 
 from aotc.backends.inductor import InductorBackend  # noqa: E402
 from aotc.builder import BuildOptions, build  # noqa: E402
-from aotc.format import encode, write_atomic  # noqa: E402
 from aotc.models.loader import load_model  # noqa: E402
 from aotc.models.tiny import write_tiny  # noqa: E402
 from aotc.runtime import Bundle  # noqa: E402
@@ -161,9 +160,7 @@ def main() -> None:
         f"decode step, a graph per layer against the whole step, position {POSITION} (us; inductor, torch {torch.__version__}, {torch.get_num_threads()} threads)",
         rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, encode({"torch": str(torch.__version__), "threads": torch.get_num_threads(), "position": POSITION, "steps": STEPS, "rows": rows}))
-    console.print(f"wrote {args.out}")
+    write_results(args.out, {"position": POSITION, "steps": STEPS, "rows": rows})
 
 
 if __name__ == "__main__":
