@@ -24,40 +24,40 @@ if _WORKERS > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 # The modules that take longest, longest first, from `python -m pytest --durations=0`
-# summed per module (seconds on the development machine, two workers, 2026-12-05,
-# remeasured after issue 64's sixth cuts: export programs rebuilt when first run).
+# summed per module (seconds on a 2-core AMD EPYC with avx2, 2026-12-07, two workers).
 # Each of the two workers takes the next whole module when it is free (--dist loadscope);
 # started longest first, they finish within a short module of each other. xdist's default
 # order (most tests first) left the few-test, long modules for last, and one worker idle
 # for a minute or more. pytest-randomly still shuffles the tests within each module and
 # the order of the modules not listed.
 LONGEST_FIRST = [
-    "test_transformers_path",  # 106
-    "test_parallel",  # 93, most of it in processes of their own (the ranks)
-    "test_data_parallel",  # 60, the ranks' processes
-    "test_inductor",  # 48
-    "test_bench",  # 46
-    "test_neuron",  # 39
-    "test_cache",  # 39
-    "test_deepseek_v4_compiled",  # 36
-    "test_ranks",  # 34
-    "test_verify",  # 30
-    "test_quant",  # 30
-    "test_real_folders",  # 29
-    "test_bad_inputs",  # 29
-    "test_safety",  # 27
-    "test_expert_parallel",  # 27
-    "test_hf_parallel",  # 26
-    "test_bisect",  # 23
-    "test_serve",  # 17
-    "test_full_disk",  # 17
-    "test_strip_data_dependent",  # 15
-    "test_xla",  # 13
-    "test_fidelity",  # 12
-    "test_readme_claims",  # 11
-    "test_cli",  # 10
-    "test_quantize",  # 7
-    "test_kvcache",  # 7
+    "test_transformers_path",  # 216
+    "test_cache",  # 149
+    "test_parallel",  # 146, most of it in processes of their own (the ranks)
+    "test_inductor",  # 140
+    "test_neuron",  # 128
+    "test_verify",  # 98
+    "test_expert_parallel",  # 94
+    "test_quant",  # 84
+    "test_data_parallel",  # 82, the ranks' processes
+    "test_deepseek_v4_compiled",  # 80
+    "test_bad_inputs",  # 77
+    "test_hf_parallel",  # 77
+    "test_bench",  # 59
+    "test_fidelity",  # 59
+    "test_ranks",  # 57
+    "test_real_folders",  # 52
+    "test_full_disk",  # 50
+    "test_serve",  # 48
+    "test_xla",  # 46
+    "test_readme_claims",  # 44
+    "test_strip_data_dependent",  # 42
+    "test_bisect",  # 38
+    "test_safety",  # 33
+    "test_cli",  # 33
+    "test_format",  # 32
+    "test_kvcache",  # 24
+    "test_runtime",  # 24
 ]
 
 

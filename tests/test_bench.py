@@ -2,7 +2,8 @@
 backend and torch.compile's eager backend (labelled as such; bench runs use inductor for
 both). Each test checks the claims its section's labels make: the dtype a row names, a
 shape, a byte count, a ratio of two columns. CI runs the sections that take about 10 s
-this way (lowp: 25); those that start many processes or build DeepSeek V4 are marked slow."""
+this way on a 2-core machine of 2026-12 (chat: 19); those that take longer (the time is by
+each mark), start many processes or build DeepSeek V4 are marked slow."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_decode_rows_are_each_batch_bucket_of_the_bundles_timed(bench):
         assert math.isclose(r["export/torch.compile (eager)"], ratio(r, "aotc export", "torch.compile (eager)"))
 
 
+@pytest.mark.slow  # 14 s here
 def test_bandwidth_counts_every_weight_but_the_embedding_table(bench):
     run, sections = bench
     result = sections["bandwidth"](run)
@@ -112,6 +114,7 @@ def test_memory_compares_with_the_checkpoint_it_built(bench):
         assert math.isclose(r["of weight bytes"], r["peak RSS MB"] * 1e6 / weights)
 
 
+@pytest.mark.slow  # 35 s here
 def test_lowp_each_row_reads_the_format_its_label_names(bench):
     """The bf16 row once ran fp32 weights (config.json's dtype won over torch_dtype)."""
     run, sections = bench
@@ -146,6 +149,7 @@ def test_v4_bytes_read_are_the_chosen_experts_and_the_rest(bench):
     assert (result["prompt_tokens"], result["chunk"], result["max_seq"]) == (40, 16, 64)
 
 
+@pytest.mark.slow  # 27 s here
 def test_generic_times_llama_both_ways_and_qwen3_against_transformers(bench):
     run, sections = bench
     result = sections["generic"](run)
@@ -156,6 +160,7 @@ def test_generic_times_llama_both_ways_and_qwen3_against_transformers(bench):
     assert set(result["build_s"]) == {"llama path", "generic path (llama)", "generic path (qwen3)"}
 
 
+@pytest.mark.slow  # 17 s here
 def test_moe_graphs_read_each_tokens_chosen_experts_and_every_other_weight(bench):
     """At batch 1 the decode graphs read exactly the chosen experts and every other weight
     (the token's k experts are distinct); at batch 4, each token's k, counted from the
@@ -172,6 +177,7 @@ def test_moe_graphs_read_each_tokens_chosen_experts_and_every_other_weight(bench
     assert result["params"] > 0 and all(r["aotc export ms"] > 0 and r["transformers ms"] > 0 for r in result["rows"])
 
 
+@pytest.mark.slow  # 15 s here
 def test_kvcache_fp8_rows_store_fp8_in_fewer_bytes(bench):
     run, sections = bench
     rows = sections["kvcache"](run)["rows"]
@@ -218,6 +224,7 @@ def test_chat_packs_a_batchs_prompts_and_rates_the_rows_it_ran(bench):
     assert all(r["target met"] == (r["aotc/transformers"] <= 0.9) for r in (one, four))
 
 
+@pytest.mark.slow  # 23 s here
 def test_context_reads_the_smallest_bucket_that_holds_the_position(bench):
     run, sections = bench
     result = sections["context"](run)
@@ -269,6 +276,7 @@ def test_overhead_splits_each_steps_host_work_at_its_graphs(bench):
         host_split(decodes, graphs[:5])
 
 
+@pytest.mark.slow  # 35 s here
 def test_engine_runs_both_schedules_on_the_same_requests_and_rates_them(bench):
     run, sections = bench
     result = sections["engine"](run)

@@ -133,6 +133,7 @@ def _table(text: str, title: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow  # three processes; CI runs bisect in process (test_bisect_seeks_the_same_failure_not_any)
 def test_build_verify_and_bisect_piped_into_a_file_print_every_line_whole(neuron_bundle, failing_on, tiny_dir, tmp_path):
     """Output that is not a terminal is never wrapped or cut: in a file, the reproduce
     command is one line, each path is whole, and each table cell is whole."""

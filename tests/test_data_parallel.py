@@ -50,6 +50,7 @@ def collectives(bundle_dir: Path) -> dict[str, dict[str, list]]:
     return found
 
 
+@pytest.mark.slow  # CI runs the service test below on the same bundle: its ranks give the unsharded eager tokens too
 def test_ranks_run_their_own_sequences_and_give_the_unsharded_eager_tokens(dp_bundle, v4_dir):  # noqa: F811
     """The layout; one all-gather and one fp32 reduce-scatter in each MoE layer's graph, no
     all-reduce or all-to-all, none in the head's; each rank's caches hold only its own slots
@@ -141,6 +142,7 @@ def test_a_service_serves_8_concurrent_requests_across_the_ranks_each_as_it_runs
     assert got["beside"] == got["solo"][:4]
 
 
+@pytest.mark.slow  # 30 s of traces at two ranks and two backends; CI traces rank 1 of a bf16 V4 with expert parallelism (test_expert_parallel.py)
 def test_rank_1_traces_the_same_graphs_and_inductor_gathers_by_all_reduce(v4_dir, tmp_path):  # noqa: F811
     """A trace at rank 1 gives rank 0's cache keys (the rank is a value of the expert map,
     never a constant); a bf16 model's reduce-scatter takes fp32 parts; on inductor each MoE

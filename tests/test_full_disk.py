@@ -78,7 +78,7 @@ def test_a_full_cache_disk_builds_without_the_cache(small, tiny_dir, tmp_path):
     assert r.returncode == 0, said(r)
 
 
-@pytest.mark.parametrize("command", ["init", "build"])
+@pytest.mark.parametrize("command", [pytest.param("init", marks=pytest.mark.slow), "build"])  # CI: the build
 def test_writing_under_a_read_only_file_system(read_only, tiny_dir, command):
     args = ("init", "tiny", read_only / "m") if command == "init" else ("build", tiny_dir, *BUILD, "--no-cache", "-o", read_only / "bundle")
     r = aotc(*args)

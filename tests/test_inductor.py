@@ -1,6 +1,6 @@
 """The inductor backend: AOTInductor packages with weights as inputs.
 
-The default run compiles one small bundle of five graphs (jobs 2). Its serial twin,
+The default run compiles one small bundle of seven graphs (jobs 2). Its serial twin,
 a bundle with two context buckets, the portable build and the qwen2 and mistral builds
 are marked slow.
 """

@@ -133,6 +133,7 @@ def test_compile_with_the_compiler_present(tiny_dir, tmp_path, stand_in, monkeyp
     assert "neuronx-cc-2.99.0.0+test-double" in result.manifest.backend.version
 
 
+@pytest.mark.slow  # CI tests the lint on a jax program (test_verify.py::test_lint_names_the_node_and_its_source_line); this one lowers a whole model
 @lowers
 def test_ops_the_compiler_does_not_list_are_lint_findings_naming_the_source_line(tiny_dir, tmp_path, stand_in, monkeypatch):
     monkeypatch.setenv("FAKE_NEURONX_CC_MODE", "ok")
@@ -228,6 +229,7 @@ def test_cross_build_then_resume(tiny_dir, tmp_path, monkeypatch, no_compiler):
             Bundle.load(out)
 
 
+@pytest.mark.slow  # CI builds trn2 with fp8 weights (test_trn2_fp8_bundle_flag_and_rescaled_weights)
 @lowers
 def test_trn2_cross_build_with_fp8_caches_carries_the_fp8_flag(tiny_dir, tmp_path, no_compiler):
     """--kv-cache-dtype fp8 for trn2: the decoder layers' graphs take fp8 cache regions and
@@ -421,6 +423,7 @@ def test_a_simulated_trn2_host_runs_v4_with_rescaled_fp8_weights(tmp_path, neuro
     _simulated_run(model_dir, tmp_path / "bundle", "--compiler-flag", "target=trn2")
 
 
+@pytest.mark.slow  # 30 s here; test_a_simulated_neuron_host_builds_runs_check_and_verifies runs the NEFFs in CI
 @lowers
 def test_each_neff_execution_sends_its_activations_only_and_no_cache_crosses(tiny_dir, simulated_bundle, neuron_host):
     """Bound once: weights sent at bind; caches allocated on the device (their zeros sent

@@ -421,6 +421,7 @@ def test_the_launcher_runs_a_python_entry_point_per_rank_and_a_failed_rank_ends_
         launch("ranked.work", {}, 2)
 
 
+@pytest.mark.slow  # CI runs a Session program under torchrun (test_a_session_program_under_torchrun...)
 def test_a_rank_of_a_torchrun_launch_joins_it(tp_bundle, tiny_dir):
     """torchrun's own launcher: each worker is `aotc run` with RANK and WORLD_SIZE set."""
     done = subprocess.run(
@@ -508,6 +509,7 @@ with Session.open(sys.argv[1]) as session:
 """
 
 
+@pytest.mark.slow  # CI serves two ranks through aotc serve (test_aotc_serve_starts_the_ranks...)
 def test_a_service_on_two_ranks_takes_requests_on_rank_0_and_every_rank_steps_with_it(tp_bundle, tiny_dir, tmp_path):
     """A service program under torchrun: rank 0 takes 8 requests from 8 threads, a stop
     string that ends a request there alone (the other rank ends it at the next step), a
@@ -571,6 +573,7 @@ def test_aotc_serve_starts_the_ranks_serves_from_rank_0_and_drains_or_dies_with_
         s.stop()
 
 
+@pytest.mark.slow  # CI kills a rank of aotc run (test_a_killed_rank_ends_the_run...)
 def test_a_killed_rank_of_a_session_program_ends_the_launch_naming_it(tp_bundle, tmp_path):
     """Rank 1 killed after opening (rank 0 then waits on it in the first collective):
     torchrun ends the launch within 10 s of the kill, naming rank 1 and its signal."""
@@ -643,6 +646,7 @@ def assert_per_rank_collectives(result) -> None:
     assert all(v == [] for k, v in found.items() if "Decoder" not in k[0] and "LMHead" not in k[0])
 
 
+@pytest.mark.slow  # CI runs two ranks on export; xla ranks, as the other backends' (below), under slow
 def test_xla_ranks_run_per_rank_hlo_as_replicas_and_generate_the_unsharded_eager_tokens(xla_tp_bundle, tiny_dir):
     """The xla bundle at 2 ranks: the per-rank collectives; and 2 rank processes, each its
     replica of the HLO, give eager's tokens."""
@@ -742,6 +746,7 @@ def neuron_tp_bundle(tiny_dir, tmp_path_factory):
     return simulated_neuron_build(tp_options(tiny_dir, folder / "tp2", backend="neuron", use_cache=False, jobs=1), folder)
 
 
+@pytest.mark.slow  # as the xla ranks above
 def test_neuron_ranks_resumed_on_a_simulated_host_each_load_their_core_for_collectives_and_give_eager_tokens(neuron_tp_bundle, tiny_dir):
     """The neuron bundle at 2 ranks, built where neuronx-cc is absent and resumed on a
     simulated Neuron host: the xla backend's per-rank collectives in each NEFF's HLO; each

@@ -242,7 +242,7 @@ def test_dequantize_int8_every_value_and_a_partial_group():
     assert v.tolist() == [[64, -127, 32] + [0] * 29 + [127]] and s.shape == (1, 2)  # 63.5 rounds to even: 64
 
 
-@pytest.mark.parametrize("second", ["plain", "e8m0-scales"])
+@pytest.mark.parametrize("second", ["plain", pytest.param("e8m0-scales", marks=pytest.mark.slow)])  # CI: one mix
 def test_a_checkpoint_that_mixes_layer_formats_builds_a_variant_per_format(models, tmp_path, second):
     """Layer 1 plain (dequantized) or with E8M0 scales where layer 0 keeps fp8 with F32
     scales, as the README allows: each format is a variant of its own, which builds and

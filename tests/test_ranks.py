@@ -102,7 +102,7 @@ def rank(bundle, when):
 """
 
 
-@pytest.mark.parametrize("when", ["mid-decode", "after the last token"])
+@pytest.mark.parametrize("when", ["mid-decode", pytest.param("after the last token", marks=pytest.mark.slow)])  # CI: one
 def test_a_stopped_rank_ends_the_launch_within_the_deadline_naming_it(tp_bundle, tmp_path, monkeypatch, when):  # noqa: F811
     """Rank 1 stops itself (SIGSTOP) after 3 tokens, or after its last: the other rank's next
     collective fails within the deadline, or the launcher gives up on rank 1 that long after

@@ -208,6 +208,7 @@ def test_single_prompt_streams_each_token_as_it_comes(tiny_dir, small_bundle):
     assert r.exit_code == 0 and f"  -> {text}\n" in r.output
 
 
+@pytest.mark.slow  # 40 s here: a build and a verbose build in processes of their own
 def test_build_shows_no_third_party_warnings_unless_verbose(tiny_dir, tmp_path):
     args = ["build", tiny_dir, "--backend", "xla", "--buckets", "1", "--prefill-chunk", "16", "--max-seq", "64", "--no-cache"]
     quiet = aotc(*args, "-o", tmp_path / "a")

@@ -358,9 +358,11 @@ SLOW_CXX = '#!/bin/sh\ncase " $* " in *" -o "*) sleep 30 ;; esac\nexec g++ "$@"\
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-# CI runs SIGTERM; SIGINT (the CLI turns SIGTERM into KeyboardInterrupt: the same path)
-# and SIGKILL (the workers' PDEATHSIG) under slow, for CI's time.
-@pytest.mark.parametrize("how", [pytest.param("SIGINT", marks=pytest.mark.slow), "SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])
+# Under slow, for CI's time (a minute each on a 2-core machine): SIGTERM, SIGINT (the CLI turns
+# SIGTERM into KeyboardInterrupt: the same path) and SIGKILL (the workers' PDEATHSIG). CI stops
+# a build mid-compile in test_cache.py (test_build_killed_mid_compile_leaves_nothing_served).
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tmp_path, how):
     """Stopped while its workers run the C++ compiler: one second after the build exits, nothing it
     started runs (each worker leads a process group with its compilers, and kills it when

@@ -157,7 +157,13 @@ def arch(request, tmp_path_factory):
     return request.param, save(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS), indirect=True)
+# Under slow for CI's time (2026-12, a 2-core machine): gpt_oss, 40 s here with its one graph
+# a layer class below: its attention sinks and biased experts are checked under slow only
+# (mixtral's and qwen3_moe's experts are compared with transformers in CI).
+SLOW_ARCHS = {"gpt_oss"}
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW_ARCHS else a for a in sorted(ARCHS)], indirect=True)
 def test_export_matches_transformers(arch, tmp_path):
     name, model_dir = arch
     out = bundle_of(name, model_dir, tmp_path / "bundle", "export")
@@ -190,7 +196,7 @@ def test_compiled_matches_transformers_slow(name, backend, tmp_path):
 UNIFORM_LAYERS = {"granite", "gpt2", "llama", "mixtral", "olmo2", "phi3", "starcoder2"}
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in UNIFORM_LAYERS else a for a in sorted(ARCHS)], indirect=True)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in UNIFORM_LAYERS | SLOW_ARCHS else a for a in sorted(ARCHS)], indirect=True)
 def test_one_graph_per_layer_class(arch, tmp_path):
     """As many graphs at 6 layers as at 3 (each layer pattern of ARCHS repeats within 3
     layers); and the first and last layer of each variant trace to the same graph
@@ -266,6 +272,7 @@ def test_a_layer_whose_attention_bypasses_the_interface_is_refused(tmp_path, mon
         load_model(model_dir)
 
 
+@pytest.mark.slow  # CI builds and checks bf16 on aotc's llama (test_fidelity.py)
 def test_bf16_is_built_and_run_in_bf16(tmp_path):
     """A model transformers saved in bf16 runs in bf16 (weights, caches, graphs), within the
     fidelity rule against its float32 twin; with fp8 caches and two context buckets too."""

@@ -158,6 +158,7 @@ def test_padding_rows_that_write_no_scratch_slot_fail(tiny_bundle, monkeypatch):
         assert problems == [f"program.pt2: the padding rows wrote nothing into any cache's scratch slot {slots - 1}"], problems
 
 
+@pytest.mark.slow  # 40 s here; CI verifies a simulated neuron bundle (test_neuron.py) and hlo.pb on xla (test_xla_bundle_runs_hlo_pb_as_it_is)
 def test_neuron_cross_build_verifies_through_hlo_pb(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no neuronx-cc: the artifacts stay pending
     out = build(BuildOptions(tiny_dir, out=tmp_path / "n", backend="neuron", use_cache=False, jobs=1, **OPTIONS)).out
