@@ -157,9 +157,9 @@ def arch(request, tmp_path_factory):
     return request.param, save(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
-# Under slow for CI's time (2026-12, a 2-core machine): gpt_oss, 40 s here with its one graph
-# a layer class below: its attention sinks and biased experts are checked under slow only
-# (mixtral's and qwen3_moe's experts are compared with transformers in CI).
+# Under slow for CI's time (2026-12, a 2-core machine): gpt_oss (40 s here, with its case of
+# test_one_graph_per_layer_class). Its attention sinks and biased experts are then checked
+# under slow only; mixtral's and qwen3_moe's experts are compared with transformers in CI.
 SLOW_ARCHS = {"gpt_oss"}
 
 
