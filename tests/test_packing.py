@@ -8,8 +8,9 @@ import torch
 
 from aotc.errors import AotcError
 from aotc.kvcache import kv_cache_record
+from aotc.models.llama import softmax_attend
 from aotc.models.loader import load_model
-from aotc.models.packing import pack, packed_bias
+from aotc.models.packing import TILE, attend_in_tiles, pack, packed_bias, packed_rows
 from aotc.models.tiny import write_tiny
 from aotc.runtime import Bundle, generate
 
@@ -64,18 +65,41 @@ def test_packed_bias_lets_each_row_see_its_own_sequence_only():
     assert chunk[4].tolist() == [F, F, F, T, T, F]
 
 
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("cached", [0, 100])
+def test_attention_in_tiles_is_the_whole_chunks_attention(cached, window):
+    """attend_in_tiles: a chunk of 3 1/2 tiles holding a sequence that continues (after
+    `cached` positions in the cache; none: a fresh chunk) and four that start in it,
+    attended tile by tile, is the one softmax over all its keys."""
+    g = torch.Generator().manual_seed(0)
+    lengths, kv, rep, hd = (70, 90, 5, 46, 13), 2, 3, 8
+    c = sum(lengths)
+    assert c > 3 * TILE
+    p = pack([torch.zeros(n, dtype=torch.long) for n in lengths], [1, 2, 3, 4, 9], start=7 if cached else 0)
+    cache = torch.randn(10, kv, cached or 128, hd, generator=g)  # the general form reads all of a slot's positions
+    cache[p.slots, :, p.positions] = torch.randn(c, kv, hd, generator=g)  # the chunk's rows, as project writes them
+    keys = packed_rows(None, cache, p.slots, p.positions, torch.float32, fresh=not cached)
+    values = keys.flip(-1)
+    bias = packed_bias(p.positions, p.slots, cached, window)
+    q = torch.randn(kv, rep, c, hd, generator=g)
+    attend = lambda q, k, v, b: softmax_attend(q, k, v, b, hd**-0.5)  # noqa: E731
+    whole = attend(q.reshape(kv, rep * c, hd), keys, values, bias.repeat(rep, 1)).view(kv, rep, c, hd)
+    torch.testing.assert_close(attend_in_tiles(attend, q, keys, values, bias, cached), whole, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch, modeling", [("llama", "aotc"), ("mistral", "aotc"), ("llama", "transformers"), ("mistral", "transformers")])
 def test_a_packed_prefill_gives_each_prompt_what_transformers_gives_it_alone(folders, arch, modeling):
-    """Three prompts (one past mistral's window) in one packed prefill: each prompt's last
-    logits are those of transformers' model run on that prompt alone, and the caches are
-    those that separate prefills write."""
+    """Four prompts (two past mistral's window; 166 rows, so aotc's attention runs in
+    tiles) in one packed prefill: each prompt's last logits are those of transformers'
+    model run on that prompt alone, and the caches are those that separate prefills write."""
     from transformers import AutoModelForCausalLM
 
     folder = folders[arch]
     model = load_model(folder, modeling=modeling).model
-    ps = [torch.tensor(p) for p in prompts(5, 60, 21)]
+    ps = [torch.tensor(p) for p in prompts(5, 60, 21, 80)]
+    assert sum(map(len, ps)) > 2 * TILE
     packed = model.allocate_caches(4, 128)
-    logits = model.prefill_batch(ps, [0, 1, 2], packed)
+    logits = model.prefill_batch(ps, [0, 1, 2, 3], packed)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         want = torch.stack([hf(p[None]).logits[0, -1] for p in ps])

@@ -18,6 +18,7 @@ norms are whole on every rank.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -31,7 +32,7 @@ from ..layout import Derived
 from ..parallel import FIRST, all_gather, all_reduce, group_name, split
 from .base import SCRATCH_SLOT, CausalLM
 from .llama_config import LlamaConfig, local_kv_heads, rope_inv_freq
-from .packing import pack, packed_bias, packed_rows
+from .packing import attend_in_tiles, pack, packed_bias, packed_rows
 from .registry import register_architecture
 
 
@@ -139,15 +140,14 @@ class LlamaAttention(nn.Module):
         # may continue a sequence the cache holds, the others start here (all of them, fresh)
         c, rep, dtype = x.shape[0], self.heads // self.kv_heads, x.dtype
         q = self.project(x, cos, sin, positions, slots, k_cache, v_cache)
-        # A KV head's query heads and rows as the rows of one matmul against its keys: a
-        # broadcast over the query heads would copy the keys once per query head.
-        q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.kv_heads, rep * c, self.head_dim)
+        q = q.view(c, self.kv_heads, rep, self.head_dim).permute(1, 2, 0, 3)  # [kv, rep, C, hd]
         cached = 0 if fresh else k_cache.shape[2]
         keys = packed_rows(self.k_rows, k_cache, slots, positions, dtype, fresh)  # [kv, cached + C, hd]
         values = packed_rows(self.v_rows, v_cache, slots, positions, dtype, fresh)
-        mask = packed_bias(positions, slots, cached, self.window).repeat(rep, 1)  # [rep * C, cached + C]
-        out = softmax_attend(q, keys, values, mask, self.scale)  # [kv, rep * C, hd]
-        out = out.view(self.kv_heads, rep, c, self.head_dim).permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim)
+        bias = packed_bias(positions, slots, cached, self.window)  # [C, cached + C]
+        attend = functools.partial(softmax_attend, scale=self.scale)
+        out = attend_in_tiles(attend, q, keys, values, bias, cached)  # [kv, rep, C, hd]
+        out = out.permute(2, 0, 1, 3).reshape(c, self.heads * self.head_dim)
         return all_reduce(self.o_proj(out), self.group)
 
 
