@@ -406,6 +406,23 @@ def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tm
     assert leftover == [] or how == "SIGKILL", leftover  # a stop cleans up at once; SIGKILL's are pruned later
 
 
+def test_a_script_that_builds_at_its_top_level_fails_naming_the_fix_and_does_not_hang(model, tmp_path):
+    """A script without `if __name__ == "__main__":` that calls build(): each compile worker
+    (spawned) imports the script again, whose build() would wait forever on the writer's lock
+    that the parent holds while the parent waits for the worker. That second call is refused:
+    the build fails, naming the fix, and writes no bundle."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    options = f"{str(model)!r}, out={str(tmp_path / 'bundle')!r}, backend='export', batch_buckets=(1,), chunk_buckets=(16,), max_seq=64, jobs=2, use_cache=False"
+    script.write_text(f"from aotc.builder import BuildOptions, build\n\nbuild(BuildOptions({options}))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and 'Put that call under `if __name__ == "__main__":`' in done.stderr, done.stderr[-2000:]
+    assert "AotcError: a compile worker ended before its graph was compiled" in done.stderr.splitlines()[-1]
+    assert not (tmp_path / "bundle").exists()
+
+
 def test_cache_records_and_recipes_never_lead_outside(model, tmp_path):
     cache = tmp_path / "cache"
     build(BuildOptions(model, out=tmp_path / "a", cache_dir=cache, **OPTIONS))

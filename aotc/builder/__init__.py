@@ -12,6 +12,7 @@ sharded build stops after obtain: it fills the cache and writes no bundle.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,22 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
+def _refuse_in_a_starting_worker() -> None:
+    """A compile worker is a spawned process, which first imports the main module of the
+    program that started it (multiprocessing's spawn). A script that calls build() at
+    its top level, not under `if __name__ == "__main__":`, calls it again there, and that
+    call would wait forever for the bundle's writer lock, which the parent holds while it
+    waits for the worker. `_inheriting` is what multiprocessing's own check of this case
+    reads (spawn._check_not_importing_main): true only while the child imports that module."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise AotcError(
+            "build() was called while a compile worker was starting: the worker imports your program's main module, "
+            'which calls build() at its top level. Put that call under `if __name__ == "__main__":`'
+        )
+
+
 def build(options: BuildOptions, progress: Progress | None = None) -> BuildResult:
+    _refuse_in_a_starting_worker()
     t0 = time.perf_counter()
     progress = progress or _quiet
     cache = LocalCache(options.cache_dir) if options.use_cache else None

@@ -17,6 +17,7 @@ import shutil
 import signal
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ..backends import Backend, Progress, Specs
 from ..backends.export import load_program, save_program
 from ..cache import LocalCache
 from ..cache.local import CacheError
+from ..errors import AotcError
 from ..format import ArtifactRecord, CompiledRecord, Form, PassRecord, Served, artifact_dir, convert, sha256_file
 from ..quiet import silence_third_party_warnings
 from .key import KeyedGraph, graph_form
@@ -68,7 +70,7 @@ def obtain_artifacts(
             k = futures[future]
             built[k.id] = future.result()
             _done(progress, built[k.id])
-    except BaseException:
+    except BaseException as e:
         # Interrupted or failed: stop the compiles now rather than wait for them, each
         # worker with its whole process group (the C++ compilers it started).
         pool.shutdown(wait=False, cancel_futures=True)
@@ -77,6 +79,10 @@ def obtain_artifacts(
             child.join(timeout=5)  # dead, so that the locks it held are free
         if cache is not None:  # the killed workers' half-written entries
             cache.abandon([k.key for k in misses if k.id not in built])
+        if isinstance(e, BrokenProcessPool):
+            raise AotcError(
+                "a compile worker ended before its graph was compiled (killed, out of memory, or failed as it started: its own error, if it printed one, is above)"
+            ) from e
         raise
     pool.shutdown()
     return built
