@@ -30,7 +30,7 @@ from .layout import compiled, dequantized, dtype_name, graph_weights, stored_of,
 from .models.base import fake_tensor_mode
 from .parallel import SINGLE
 from .passes import needs_static, pipeline_for, run_pipeline
-from .passes.base import alias_root, source_line, written_args
+from .passes.base import alias_root, loop_bodies, source_line, written_args
 from .passes.unbacked_ops import unbacked_in
 from .shapes import Shapes
 
@@ -388,8 +388,13 @@ def _check_static(gm: torch.fx.GraphModule, what: str, backend: str) -> None:
 
 def _drop_stale_ranges(program: torch.export.ExportedProgram) -> None:
     """Forget the ranges of unbacked symbols that the passes removed from the graph
-    (a saved program would carry them, and its loader warns about each)."""
-    left = set().union(*(unbacked_in(n) for n in program.graph_module.graph.nodes))
+    (a saved program would carry them, and its loader warns about each). A while_loop's
+    body is a graph of its own, with symbols of its own (the whole step's layer index,
+    bounded by the body's asserts): the loader needs their ranges to read those asserts
+    back, and Inductor needs the asserts to know the index is in range (without them it
+    computed each weight's offset outside its kernels, ending a kernel at each)."""
+    graphs = [program.graph_module, *loop_bodies(program.graph_module)]
+    left = set().union(*(unbacked_in(n) for g in graphs for n in g.graph.nodes))
     ranges = program.range_constraints  # the program's own dict: it has no setter
     for symbol in [s for s in ranges if free_unbacked_symbols(s) and s not in left]:
         del ranges[symbol]

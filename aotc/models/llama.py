@@ -265,6 +265,8 @@ class LlamaModel(nn.Module):
 
         def body(i, x):
             j = i.item()  # a view's offset: the layer's weights and caches are not copied
+            # The bounds let Inductor index the stacks at j * stride inside one kernel for the
+            # whole body; an index of unknown sign ended a kernel at each weight.
             torch._check(j >= 0)
             torch._check(j < n)
             w = {name: t.select(0, j) for name, t in stacked.items()}

@@ -9,7 +9,6 @@ import torch
 
 from ..format import PassIdentity, PassRecord
 from .base import Pass, ProgramPass, loop_bodies
-from .drop_loop_asserts import DropLoopAsserts
 from .reslice_cache_views import ResliceCacheViews
 from .split_dtype_regions import SplitDtypeRegions
 from .strip_data_dependent import StripDataDependent
@@ -24,9 +23,6 @@ PIPELINE: list[Pass] = [
     # The passes after it, and every backend, may assume that each cache write
     # is one index_put_ on a graph input.
     ResliceCacheViews(),
-    # Last: what is compiled and what is serialized (to a compile worker, or an export
-    # artifact) must be the same graph, and torch cannot read back a loop body's asserts.
-    DropLoopAsserts(),
 ]
 
 # Before the common pipeline, for backends whose compilers need every size static
