@@ -385,7 +385,10 @@ def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tm
     # SIGINT as a terminal delivers it, even where pytest runs in the background (which hands
     # its children an ignored SIGINT, so Python would never raise KeyboardInterrupt).
     restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "AOTC_TEST_RUN": tag, "CXX": str(cxx)}, preexec_fn=restore)
+    system_tmp = tmp_path / "system-tmp"  # TMPDIR: what the build leaves outside its own folders
+    system_tmp.mkdir()
+    env = {**os.environ, "AOTC_TEST_RUN": tag, "CXX": str(cxx), "TMPDIR": str(system_tmp)}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, preexec_fn=restore)
     deadline, running = time.time() + 180, {}
     while time.time() < deadline and proc.poll() is None:  # both workers started, a compiler running
         running = _tagged(tag)
@@ -400,6 +403,7 @@ def test_a_stopped_parallel_build_leaves_no_process_compilers_included(model, tm
     time.sleep(1)
     assert _tagged(tag) == {}, f"still running one second after the build exited: {_tagged(tag)}"
     assert not (tmp_path / "bundle").exists()
+    assert [p.name for p in system_tmp.iterdir() if p.name.startswith("aotc")] == []  # its temp folders are in its staging
     build(BuildOptions(model, out=tmp_path / "bundle", cache_dir=tmp_path / "cache", **OPTIONS))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".bundle")) == []  # the writers' lock is in the cache's locks/
     leftover = [p.name for p in (tmp_path / "cache" / "tmp").glob("*")] if (tmp_path / "cache" / "tmp").is_dir() else []

@@ -251,7 +251,9 @@ class InductorBackend(Backend):
     def compile(self, program: "ExportedProgram", specs: Specs, out_dir: Path) -> CompileResult:
         from torch._inductor import aoti_compile_and_package
 
-        with tempfile.TemporaryDirectory(prefix="aotc-aoti-") as tmp:
+        # Inside out_dir, which is aotc's own staging: a compile killed mid-way leaves its
+        # temp folder where the next build prunes the staging, not in the system's temp.
+        with tempfile.TemporaryDirectory(prefix=".aoti-", dir=out_dir) as tmp:
             raw = Path(tmp) / PACKAGE
             configs = dict(self.config)
             configs["aot_inductor.metadata"] = {**configs.get("aot_inductor.metadata", {}), WEIGHTS_KEY: json.dumps(specs.weight_paths)}
