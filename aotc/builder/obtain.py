@@ -55,10 +55,11 @@ def obtain_artifacts(
     built: dict[tuple[str, int, int | None], BuiltArtifact] = {}  # by KeyedGraph.id
     misses = []
     for k in keyed:
-        if jobs > 1 and (cache is None or not cache.has(k.key)):
+        hit = cache is not None and cache.has(k.key)
+        if jobs > 1 and not hit:
             misses.append(k)
             continue
-        built[k.id] = artifact(backend, _compilable(k), out_dir, cache, options.remote_cache)
+        built[k.id] = artifact(backend, _compilable(k) if hit else _received(_portable(k)), out_dir, cache, options.remote_cache)
         _done(progress, built[k.id])
     if not misses:
         return built
@@ -161,15 +162,23 @@ def _portable(k: KeyedGraph) -> _Portable:
     return _Portable(dataclasses.replace(item, program=None), buf.getvalue())
 
 
-def _worker(options: BuildOptions, portable: _Portable, out_dir: Path | None) -> BuiltArtifact:
-    """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
-    silence_third_party_warnings()  # a spawned process starts with the default filters
+def _received(portable: _Portable) -> Compilable:
+    """The compilable as a worker reads it back. A build without workers compiles this form
+    too: the program as the parent traced it carries the symbols its tracing made, whose
+    names (u7 against u6) reach a whole step's generated code, so the two builds' packages
+    differed."""
     program = load_program(portable.program)
     # AOTInductor wants example inputs: the placeholders' fake values are what the parent had.
     program.example_inputs = (tuple(n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"), {})
+    return dataclasses.replace(portable.item, program=program)
+
+
+def _worker(options: BuildOptions, portable: _Portable, out_dir: Path | None) -> BuiltArtifact:
+    """Worker process: compile one handed-over graph (or take it from the cache, if another build just did)."""
+    silence_third_party_warnings()  # a spawned process starts with the default filters
     cache = LocalCache(options.cache_dir) if options.use_cache else None
     with parallel.tracing(options.layout):  # inductor resolves the collectives' group while compiling
-        return artifact(options.make_backend(), dataclasses.replace(portable.item, program=program), out_dir, cache, options.remote_cache)
+        return artifact(options.make_backend(), _received(portable), out_dir, cache, options.remote_cache)
 
 
 def artifact(backend: Backend, item: Compilable, out_dir: Path | None, cache: LocalCache | None, remote_url: str | None) -> BuiltArtifact:
